@@ -1,0 +1,9 @@
+"""Llama / Qwen2 / Qwen3 decoders in Flax NNX, a critic built on the same backbone, and their I/O."""
+
+from opd_jax.models.config import ModelConfig, ModelFormatError, RopeScaling
+from opd_jax.models.decoder import Backbone, Decoder, KVCache
+from opd_jax.models.io import load_model, save_model
+from opd_jax.models.tokenizer import Tokenizer
+
+__all__ = ["Backbone", "Decoder", "KVCache", "ModelConfig", "ModelFormatError", "RopeScaling", "Tokenizer",
+           "load_model", "save_model"]

@@ -1,0 +1,197 @@
+"""The decoder's architecture description, read from and written to Hugging Face `config.json`.
+
+One frozen dataclass covers the Llama, Qwen2 and Qwen3 families; the family only decides defaults
+(Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm). Every error names the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+Family = Literal["llama", "qwen2", "qwen3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_FAMILY_OF_ARCHITECTURE = {v: k for k, v in _ARCHITECTURES.items()}
+
+
+class ModelFormatError(ValueError):
+    """A model file or directory that cannot be read as one of the supported decoders."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3-style ("llama3") or linear position interpolation of the rotary frequencies."""
+
+    kind: Literal["llama3", "linear"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ModelFormatError(f"unknown model family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelFormatError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFormatError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelFormatError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def architecture(self) -> str:
+        return _ARCHITECTURES[self.family]
+
+    # ------------------------------------------------------------------ Hugging Face config.json
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a parsed Hugging Face `config.json`; `source` names the file in errors."""
+        family = hf.get("model_type")
+        if family is None:
+            archs = hf.get("architectures") or []
+            family = next((_FAMILY_OF_ARCHITECTURE[a] for a in archs if a in _FAMILY_OF_ARCHITECTURE), None)
+        if family is None:
+            raise ModelFormatError(f"{source}: no 'model_type' or known 'architectures' entry; "
+                                   f"supported model types: {', '.join(FAMILIES)}")
+        if family not in FAMILIES:
+            raise ModelFormatError(f"{source}: model_type {family!r} is not supported; "
+                                   f"supported: {', '.join(FAMILIES)}")
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise ModelFormatError(f"{source}: required field {key!r} is missing")
+            return hf[key]
+
+        if hf.get("mlp_bias"):
+            raise ModelFormatError(f"{source}: mlp_bias=true is not supported")
+        if hf.get("use_sliding_window"):
+            raise ModelFormatError(f"{source}: use_sliding_window=true is not supported")
+        num_heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        head_dim = hf.get("head_dim") or (hidden // num_heads if isinstance(hidden, int) and isinstance(num_heads, int) else None)
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_theta = hf.get("rope_theta")
+        rope_parameters = hf.get("rope_parameters") or {}  # transformers >= 5 nests them here
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        return cls(
+            family=family,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=_parse_rope_scaling(hf.get("rope_scaling") or rope_parameters, source),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            qk_norm=family == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            hf = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ModelFormatError(f"{path}: file not found") from None
+        except json.JSONDecodeError as e:
+            raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise ModelFormatError(f"{path}: expected a JSON object")
+        return cls.from_hf_dict(hf, source=str(path))
+
+    def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
+        """The `config.json` transformers and SGLang read for this architecture."""
+        hf: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+                             else (self.eos_token_ids[0] if self.eos_token_ids else None)),
+        }
+        if self.family == "qwen2":
+            hf["use_sliding_window"] = False
+        else:
+            hf["attention_bias"] = self.qkv_bias
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            hf["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor}
+            if s.kind == "llama3":
+                hf["rope_scaling"].update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                                          original_max_position_embeddings=s.original_max_position_embeddings)
+        return hf
+
+
+def _parse_rope_scaling(raw: dict[str, Any] | None, source: str) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ("llama3", "linear"):
+        raise ModelFormatError(f"{source}: rope_scaling type {kind!r} is not supported; supported: llama3, linear")
+    try:
+        factor = float(raw["factor"])
+    except (KeyError, TypeError, ValueError):
+        raise ModelFormatError(f"{source}: rope_scaling.factor is missing or not a number") from None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor)
+    return RopeScaling(
+        kind="llama3", factor=factor,
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,228 @@
+"""The decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families, in Flax NNX.
+
+Layer weights are stacked along a leading "layers" axis and the forward pass is one `lax.scan`
+over them, so a 30-layer model compiles as fast as a 1-layer one. Every parameter carries
+`logical_axes` metadata (e.g. ("layers", "embed", "heads", "head_dim")); the sharding rules in
+`opd_jax.parallel` map those names onto mesh axes, and nothing here names a mesh axis.
+
+Attention is causal over cache *slots*, with a per-slot validity mask: the same code serves a
+plain forward (slots = the T input tokens), a prefill into a KV cache, and one-token decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from opd_jax.models.config import ModelConfig
+from opd_jax.models.rope import apply_rope, inverse_frequencies
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys/values per layer and slot, which slots hold real tokens, and how many are filled.
+
+    k, v: [layers, B, S, kv_heads, head_dim]; valid: [B, S] bool; length: int32 scalar, the number
+    of slots written so far (the same for every row: prompts are left-padded).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> KVCache:
+        shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   valid=jnp.zeros((batch, slots), bool), length=jnp.zeros((), jnp.int32))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight · x / sqrt(mean(x², -1) + eps), the mean taken in float32."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any, axes: tuple[str, ...], kind: str = "normal"):
+    if kind == "normal":
+        value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif kind == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class LayerStack(nnx.Module):
+    """All decoder layers' weights, each stacked along a leading layer axis."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype: Any, rngs: nnx.Rngs):
+        L, H, I = config.num_layers, config.hidden_size, config.intermediate_size
+        n, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        p = lambda shape, axes, kind="normal": _init(rngs, shape, param_dtype, axes, kind)  # noqa: E731
+        self.attn_norm = p((L, H), ("layers", "norm"), "ones")
+        self.q = p((L, H, n, d), ("layers", "embed", "heads", "head_dim"))
+        self.k = p((L, H, kv, d), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v = p((L, H, kv, d), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o = p((L, n, d, H), ("layers", "heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            self.q_bias = p((L, n, d), ("layers", "heads", "head_dim"), "zeros")
+            self.k_bias = p((L, kv, d), ("layers", "kv_heads", "head_dim"), "zeros")
+            self.v_bias = p((L, kv, d), ("layers", "kv_heads", "head_dim"), "zeros")
+        if config.o_bias:
+            self.o_bias = p((L, H), ("layers", "norm"), "zeros")
+        if config.qk_norm:
+            self.q_norm = p((L, d), ("layers", "norm"), "ones")
+            self.k_norm = p((L, d), ("layers", "norm"), "ones")
+        self.mlp_norm = p((L, H), ("layers", "norm"), "ones")
+        self.gate = p((L, H, I), ("layers", "embed", "mlp"))
+        self.up = p((L, H, I), ("layers", "embed", "mlp"))
+        self.down = p((L, I, H), ("layers", "mlp", "embed"))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Grouped-query softmax(q·kᵀ/√d + mask)·v. q: [B,T,n,d]; k, v: [B,S,kv,d]; allowed: [B,T,S]."""
+    B, T, n, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(B, T, kv, n // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, n, d)
+
+
+def _layer(config: ModelConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
+           inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
+           write_at: jax.Array | None):
+    dt = x.dtype
+    w = {name: value.astype(dt) for name, value in p.items()}
+    h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
+    q = jnp.einsum("bth,hnd->btnd", h, w["q"])
+    k = jnp.einsum("bth,hnd->btnd", h, w["k"])
+    v = jnp.einsum("bth,hnd->btnd", h, w["v"])
+    if config.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if config.qk_norm:
+        q = rms_norm(q, w["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    if cache_kv is not None:
+        cache_k = jax.lax.dynamic_update_slice(cache_kv[0], k.astype(cache_kv[0].dtype), (0, write_at, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_kv[1], v.astype(cache_kv[1].dtype), (0, write_at, 0, 0))
+        k, v, cache_kv = cache_k.astype(dt), cache_v.astype(dt), (cache_k, cache_v)
+    attn = _attention(q, k, v, allowed)
+    out = jnp.einsum("btnd,ndh->bth", attn, w["o"])
+    if config.o_bias:
+        out = out + w["o_bias"]
+    x = x + out
+    h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
+    gated = jax.nn.silu(jnp.einsum("bth,hi->bti", h, w["gate"])) * jnp.einsum("bth,hi->bti", h, w["up"])
+    x = x + jnp.einsum("bti,ih->bth", gated, w["down"])
+    return x, cache_kv
+
+
+class Backbone(nnx.Module):
+    """Embedding, the layer stack and the final norm: everything but the output head."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype: Any = jnp.float32, compute_dtype: Any = None,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.compute_dtype = jnp.dtype(compute_dtype or param_dtype).name
+        self.embed = _init(rngs, (config.vocab_size, config.hidden_size), param_dtype, ("vocab", "embed"))
+        self.layers = LayerStack(config, param_dtype=param_dtype, rngs=rngs)
+        self.final_norm = _init(rngs, (config.hidden_size,), param_dtype, ("norm",), "ones")
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Final hidden states [B, T, hidden] (and the updated cache when one is given).
+
+        tokens: int [B, T]. positions: int [B, T], default 0..T-1. attention_mask: [B, T], 1 for
+        real tokens; padding keys are never attended to. With a cache, the T tokens are written
+        at slots cache.length .. cache.length+T-1 and attend to every earlier valid slot.
+        """
+        chex.assert_rank(tokens, 2)
+        B, T = tokens.shape
+        config = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
+        chex.assert_shape([positions, mask], (B, T))
+        if cache is None:
+            key_valid, query_slot, key_slot, write_at = mask, jnp.arange(T), jnp.arange(T), None
+        else:
+            write_at = cache.length
+            key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, write_at))
+            query_slot, key_slot = write_at + jnp.arange(T), jnp.arange(cache.slots)
+        allowed = key_valid[:, None, :] & (key_slot[None, :] <= query_slot[:, None])[None]
+
+        dt = jnp.dtype(self.compute_dtype)
+        x = self.embed[...].astype(dt)[tokens]
+        inv_freq = jnp.asarray(inverse_frequencies(config))
+        params = self.layers.arrays()
+
+        def body(x, layer_in):
+            p, kv = layer_in
+            x, kv = _layer(config, p, x, positions, inv_freq, allowed, kv, write_at)
+            return x, kv
+
+        xs = (params, None if cache is None else (cache.k, cache.v))
+        x, new_kv = jax.lax.scan(body, x, xs)
+        x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
+        if cache is None:
+            return x, None
+        return x, KVCache(k=new_kv[0], v=new_kv[1], valid=key_valid, length=cache.length + T)
+
+
+class Decoder(nnx.Module):
+    """A causal language model: `logits = model(tokens)`, int32 [B, T] -> float32 [B, T, vocab]."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype: Any = jnp.float32, compute_dtype: Any = None,
+                 rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.backbone = Backbone(config, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _init(rngs, (config.hidden_size, config.vocab_size), param_dtype, ("embed", "vocab"))
+
+    @property
+    def param_dtype(self) -> jnp.dtype:
+        return self.backbone.embed[...].dtype
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        hidden, _ = self.backbone(tokens, positions=positions, attention_mask=attention_mask)
+        return self.logits(hidden)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Output head on final hidden states [..., hidden] -> float32 logits [..., vocab]."""
+        if self.config.tie_word_embeddings:
+            head = self.backbone.embed[...].astype(hidden.dtype)
+            out = jnp.einsum("...h,vh->...v", hidden, head)
+        else:
+            out = jnp.einsum("...h,hv->...v", hidden, self.lm_head[...].astype(hidden.dtype))
+        return out.astype(jnp.float32)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
+               attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Run T new tokens through the cache; returns (last-position logits [B, vocab], cache)."""
+        hidden, cache = self.backbone(tokens, positions=positions, attention_mask=attention_mask, cache=cache)
+        return self.logits(hidden[:, -1]), cache

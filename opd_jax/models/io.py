@@ -1,0 +1,129 @@
+"""`load_model` / `save_model`: Hugging Face directories (config.json + safetensors, sharded or
+not) and GGUF files in; Hugging Face directories out, which transformers and SGLang load back."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from opd_jax.models.config import ModelConfig, ModelFormatError
+from opd_jax.models.decoder import Decoder
+from opd_jax.models.gguf_io import read_gguf
+from opd_jax.models.tokenizer import Tokenizer
+from opd_jax.models.weights import build_decoder, check_hf_tensors, params_from_hf, params_to_hf
+
+_INDEX = "model.safetensors.index.json"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype(name: Any) -> Any:
+    if name is None:
+        return None
+    key = jnp.dtype(name).name if not isinstance(name, str) else name
+    if key not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def load_model(path: str | os.PathLike, dtype: Any = "float32", compute_dtype: Any = None
+               ) -> tuple[Decoder, Tokenizer | None]:
+    """Load a Llama / Qwen2 / Qwen3 decoder and its tokenizer.
+
+    path: a Hugging Face directory (config.json + model.safetensors, or a sharded
+    model.safetensors.index.json) or a .gguf file (any quantisation; dequantised on load).
+    dtype: parameter dtype; compute_dtype: activation dtype (defaults to dtype).
+    The tokenizer is None for a directory without tokenizer.json.
+    """
+    path = Path(path)
+    param_dtype = _dtype(dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        config, tensors, tokenizer = read_gguf(path)
+        check_hf_tensors(config, {k: v.shape for k, v in tensors.items()}, str(path))
+        params = params_from_hf(config, tensors.__getitem__, param_dtype)
+    elif path.is_dir():
+        config = ModelConfig.from_json(path / "config.json")
+        params = _read_safetensors(path, config, param_dtype)
+        tokenizer = Tokenizer.from_dir(path)
+    elif not path.exists():
+        raise ModelFormatError(f"{path}: no such file or directory")
+    else:
+        raise ModelFormatError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    return build_decoder(config, params, compute_dtype=_dtype(compute_dtype)), tokenizer
+
+
+def _read_safetensors(directory: Path, config: ModelConfig, dtype: Any) -> dict[str, Any]:
+    index = directory / _INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelFormatError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{directory}: no *.safetensors weights found")
+    handles, where, shapes = {}, {}, {}
+    try:
+        for name in files:
+            file = directory / name
+            if not file.exists():
+                raise ModelFormatError(f"{index}: lists {name}, which does not exist")
+            try:
+                handles[name] = handle = safe_open(str(file), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise ModelFormatError(f"{file}: cannot be read as safetensors ({e})") from None
+            for key in handle.keys():
+                where[key] = name
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+        check_hf_tensors(config, shapes, str(directory))
+        return params_from_hf(config, lambda key: handles[where[key]].get_tensor(key), dtype)
+    finally:
+        handles.clear()
+
+
+def save_model(model: Decoder, path: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
+               max_shard_bytes: int = 4 << 30) -> Path:
+    """Write `model` (and `tokenizer`) as a Hugging Face directory: config.json, safetensors
+    (sharded with an index past `max_shard_bytes`), generation_config.json, tokenizer files."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    dtype = jax.tree.leaves(params)[0].dtype
+    tensors = params_to_hf(config, params)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    for stale in list(path.glob("*.safetensors")) + [path / _INDEX]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(a.nbytes for a in tensors.values())
+        (path / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(jnp.dtype(dtype).name), indent=2))
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids) or None}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(path)
+    return path

@@ -1,0 +1,146 @@
+"""Weight layout conversions: Hugging Face tensors <-> the decoder's stacked parameter tree.
+
+Hugging Face stores torch `nn.Linear` weights as [out, in]; the decoder keeps [in, ..., out] with
+heads split out (q: [hidden, heads, head_dim]), and every layer's weights stacked on axis 0.
+One table describes each layer weight once; loading and saving both read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from opd_jax.models.config import ModelConfig, ModelFormatError
+from opd_jax.models.decoder import Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    hf_suffix: str
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    ours_shape: Callable[[ModelConfig], tuple[int, ...]]
+    transpose: bool  # True for linear weights: HF [out, in] <-> ours [in, ...out]
+    present: Callable[[ModelConfig], bool] = lambda c: True
+
+
+_H = lambda c: c.hidden_size  # noqa: E731
+_LAYER_WEIGHTS: dict[str, _Weight] = {
+    "attn_norm": _Weight("input_layernorm.weight", lambda c: (_H(c),), lambda c: (_H(c),), False),
+    "q": _Weight("self_attn.q_proj.weight", lambda c: (c.num_heads * c.head_dim, _H(c)),
+                 lambda c: (_H(c), c.num_heads, c.head_dim), True),
+    "k": _Weight("self_attn.k_proj.weight", lambda c: (c.num_kv_heads * c.head_dim, _H(c)),
+                 lambda c: (_H(c), c.num_kv_heads, c.head_dim), True),
+    "v": _Weight("self_attn.v_proj.weight", lambda c: (c.num_kv_heads * c.head_dim, _H(c)),
+                 lambda c: (_H(c), c.num_kv_heads, c.head_dim), True),
+    "o": _Weight("self_attn.o_proj.weight", lambda c: (_H(c), c.num_heads * c.head_dim),
+                 lambda c: (c.num_heads, c.head_dim, _H(c)), True),
+    "q_bias": _Weight("self_attn.q_proj.bias", lambda c: (c.num_heads * c.head_dim,),
+                      lambda c: (c.num_heads, c.head_dim), False, lambda c: c.qkv_bias),
+    "k_bias": _Weight("self_attn.k_proj.bias", lambda c: (c.num_kv_heads * c.head_dim,),
+                      lambda c: (c.num_kv_heads, c.head_dim), False, lambda c: c.qkv_bias),
+    "v_bias": _Weight("self_attn.v_proj.bias", lambda c: (c.num_kv_heads * c.head_dim,),
+                      lambda c: (c.num_kv_heads, c.head_dim), False, lambda c: c.qkv_bias),
+    "o_bias": _Weight("self_attn.o_proj.bias", lambda c: (_H(c),), lambda c: (_H(c),), False,
+                      lambda c: c.o_bias),
+    "q_norm": _Weight("self_attn.q_norm.weight", lambda c: (c.head_dim,), lambda c: (c.head_dim,), False,
+                      lambda c: c.qk_norm),
+    "k_norm": _Weight("self_attn.k_norm.weight", lambda c: (c.head_dim,), lambda c: (c.head_dim,), False,
+                      lambda c: c.qk_norm),
+    "mlp_norm": _Weight("post_attention_layernorm.weight", lambda c: (_H(c),), lambda c: (_H(c),), False),
+    "gate": _Weight("mlp.gate_proj.weight", lambda c: (c.intermediate_size, _H(c)),
+                    lambda c: (_H(c), c.intermediate_size), True),
+    "up": _Weight("mlp.up_proj.weight", lambda c: (c.intermediate_size, _H(c)),
+                  lambda c: (_H(c), c.intermediate_size), True),
+    "down": _Weight("mlp.down_proj.weight", lambda c: (_H(c), c.intermediate_size),
+                    lambda c: (c.intermediate_size, _H(c)), True),
+}
+# Tensors some checkpoints carry that the model does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name this config needs, with its shape."""
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+              "model.norm.weight": (config.hidden_size,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for i in range(config.num_layers):
+        for w in _LAYER_WEIGHTS.values():
+            if w.present(config):
+                shapes[f"model.layers.{i}.{w.hf_suffix}"] = w.hf_shape(config)
+    return shapes
+
+
+def check_hf_tensors(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Raise ModelFormatError naming the first missing, unexpected or mis-shaped tensor."""
+    expected = expected_hf_shapes(config)
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFormatError(f"{source}: tensor {missing[0]!r}{more} is missing for this config")
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = [n for n in shapes if n not in expected and n not in optional
+                  and not n.endswith(_IGNORED_SUFFIXES)]
+    if unexpected:
+        raise ModelFormatError(f"{source}: unexpected tensor {unexpected[0]!r} "
+                               f"({len(unexpected)} in all) does not belong to a {config.architecture}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise ModelFormatError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, "
+                                   f"but config.json implies {shape}")
+
+
+def _ours(w: _Weight, config: ModelConfig, hf: np.ndarray) -> np.ndarray:
+    return (hf.T if w.transpose else hf).reshape(w.ours_shape(config))
+
+
+def _theirs(w: _Weight, config: ModelConfig, ours: np.ndarray) -> np.ndarray:
+    if w.transpose:
+        return ours.reshape(-1, w.hf_shape(config)[0]).T
+    return ours.reshape(w.hf_shape(config))
+
+
+def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], dtype: Any) -> dict[str, Any]:
+    """The decoder's pure parameter dict, reading each HF tensor by name through `get`."""
+    cast = lambda a: jnp.asarray(np.asarray(a), dtype=dtype)  # noqa: E731
+    layers = {}
+    for name, w in _LAYER_WEIGHTS.items():
+        if w.present(config):
+            stacked = np.stack([_ours(w, config, get(f"model.layers.{i}.{w.hf_suffix}"))
+                                for i in range(config.num_layers)])
+            layers[name] = cast(stacked)
+    params: dict[str, Any] = {"backbone": {"embed": cast(get("model.embed_tokens.weight")),
+                                           "final_norm": cast(get("model.norm.weight")),
+                                           "layers": layers}}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = cast(np.asarray(get("lm_head.weight")).T)
+    return params
+
+
+def params_to_hf(config: ModelConfig, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """HF tensor name -> contiguous numpy array (in the params' own dtype)."""
+    host = jax.tree.map(np.asarray, dict(params))
+    backbone = host["backbone"]
+    out = {"model.embed_tokens.weight": backbone["embed"], "model.norm.weight": backbone["final_norm"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = host["lm_head"].T
+    for name, w in _LAYER_WEIGHTS.items():
+        if w.present(config):
+            for i in range(config.num_layers):
+                out[f"model.layers.{i}.{w.hf_suffix}"] = _theirs(w, config, backbone["layers"][name][i])
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def build_decoder(config: ModelConfig, params: Mapping[str, Any], compute_dtype: Any = None) -> Decoder:
+    """A Decoder holding exactly `params` (no random initialisation is run)."""
+    param_dtype = jax.tree.leaves(params)[0].dtype
+    abstract = nnx.eval_shape(lambda: Decoder(config, param_dtype=param_dtype, compute_dtype=compute_dtype))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
