@@ -1,0 +1,118 @@
+"""The `opd-jax` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="GLM-5.2-style RL post-training in JAX: PPO + IcePop, SGLang rollouts, OPD merging.")
+
+
+def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[Path],
+              prompt_ids: Optional[str]) -> list[dict[str, Any]]:
+    requests: list[dict[str, Any]] = [{"prompt": p} for p in prompt]
+    if messages is not None:
+        try:
+            parsed = json.loads(messages)
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--messages") from None
+        if not isinstance(parsed, list) or not all(isinstance(m, dict) and "role" in m for m in parsed):
+            raise typer.BadParameter('expected a JSON list like [{"role": "user", "content": "..."}]',
+                                     param_hint="--messages")
+        requests.append({"messages": parsed})
+    if prompt_ids is not None:
+        try:
+            requests.append({"prompt_ids": [int(t) for t in prompt_ids.split(",")]})
+        except ValueError:
+            raise typer.BadParameter("expected comma-separated integers", param_hint="--prompt-ids") from None
+    if input_file is not None:
+        for n, line in enumerate(input_file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise typer.BadParameter(f"line {n}: not valid JSON ({e})", param_hint="--input") from None
+            if not isinstance(record, dict) or not ({"prompt", "messages", "prompt_ids"} & record.keys()):
+                raise typer.BadParameter(f"line {n}: needs a 'prompt', 'messages' or 'prompt_ids' field",
+                                         param_hint="--input")
+            requests.append(record)
+    if not requests:
+        raise typer.BadParameter("give --prompt, --messages, --prompt-ids or --input")
+    return requests
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = [],  # noqa: B006
+    messages: Annotated[Optional[str], typer.Option(help="Chat messages as a JSON list.")] = None,
+    prompt_ids: Annotated[Optional[str], typer.Option(help="A prompt as comma-separated token ids.")] = None,
+    input_file: Annotated[Optional[Path], typer.Option("--input", exists=True, dir_okay=False,
+                                                       help="JSON lines with prompt / messages / prompt_ids.")] = None,
+    num_samples: Annotated[int, typer.Option("--num-samples", "-n", min=1, help="Samples per prompt.")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="0 = off.")] = 0,
+    stop_id: Annotated[list[int], typer.Option(help="Extra stop token id (repeatable); EOS always stops.")] = [],  # noqa: B006
+    chat: Annotated[bool, typer.Option(help="Wrap plain prompts in the model's chat template.")] = True,
+    seed: Annotated[int, typer.Option()] = 0,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Sample from a model; one JSON line per sample: text, token ids, per-token logprobs."""
+    import jax
+
+    from opd_jax.models import ModelFormatError, load_model, resolve_model_path
+    from opd_jax.sampling import PromptTooLongError, Sampler, SamplingParams
+
+    requests = _requests(prompt, messages, input_file, prompt_ids)
+    try:
+        decoder, tokenizer = load_model(resolve_model_path(model), dtype=dtype)
+    except (ModelFormatError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="MODEL") from None
+    stops = set(stop_id) | set(decoder.config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    ids = []
+    for r in requests:
+        if "prompt_ids" in r:
+            ids.append(list(r["prompt_ids"]))
+            continue
+        if tokenizer is None:
+            raise typer.BadParameter("this model has no tokenizer; give --prompt-ids", param_hint="MODEL")
+        use_chat = "messages" in r or (chat and tokenizer.chat_template)
+        conversation = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
+        ids.append(tokenizer.encode_chat(conversation) if use_chat else tokenizer.encode(r["prompt"]))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop_token_ids=tuple(sorted(stops)))
+    sampler = Sampler(decoder)
+    batch = [p for p in ids for _ in range(num_samples)]
+    try:
+        rollouts = sampler.generate(batch, params, jax.random.key(seed))
+    except (PromptTooLongError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    for i, rollout in enumerate(rollouts):
+        record = {"request": i // num_samples, "sample": i % num_samples,
+                  "text": tokenizer.decode(rollout.output_ids, skip_special_tokens=True) if tokenizer else None,
+                  "token_ids": list(rollout.output_ids), "logprobs": list(rollout.output_logprobs),
+                  "finish_reason": rollout.finish_reason, "prompt_token_ids": list(rollout.prompt_ids)}
+        sys.stdout.write(json.dumps(record) + "\n")
+
+
+@app.callback()
+def _root() -> None:
+    """opd_jax command line."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Sampling parameters of a request and the rollout record an engine returns for it.
+
+The conventions are SGLang's, so a record means the same thing whichever engine produced it:
+`output_ids` include the stop token that ended the sequence, and `output_logprobs[i]` is the
+log-probability of `output_ids[i]` under log_softmax(logits / temperature) (plain log_softmax of
+the logits for greedy decoding), before any top-k / top-p truncation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k truncation
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: int = 0
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.output_logprobs):
+            raise ValueError(f"rollout has {len(self.output_ids)} output ids but "
+                             f"{len(self.output_logprobs)} logprobs")
