@@ -110,7 +110,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> 
 
 def _layer(config: ModelConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
            inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
-           write_at: jax.Array | None):
+           layer: jax.Array | None, write_at: jax.Array | None):
+    """One pre-norm block. With a cache, k/v are written into the all-layer cache arrays in place
+    (at [layer, :, write_at]) and the layer's whole slot range is attended over."""
     dt = x.dtype
     w = {name: value.astype(dt) for name, value in p.items()}
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
@@ -125,9 +127,12 @@ def _layer(config: ModelConfig, p: dict[str, jax.Array], x: jax.Array, positions
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if cache_kv is not None:
-        cache_k = jax.lax.dynamic_update_slice(cache_kv[0], k.astype(cache_kv[0].dtype), (0, write_at, 0, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_kv[1], v.astype(cache_kv[1].dtype), (0, write_at, 0, 0))
-        k, v, cache_kv = cache_k.astype(dt), cache_v.astype(dt), (cache_k, cache_v)
+        at = (layer, 0, write_at, 0, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_kv[0], k[None].astype(cache_kv[0].dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_kv[1], v[None].astype(cache_kv[1].dtype), at)
+        k = jax.lax.dynamic_index_in_dim(cache_k, layer, keepdims=False).astype(dt)
+        v = jax.lax.dynamic_index_in_dim(cache_v, layer, keepdims=False).astype(dt)
+        cache_kv = (cache_k, cache_v)
     attn = _attention(q, k, v, allowed)
     out = jnp.einsum("btnd,ndh->bth", attn, w["o"])
     if config.o_bias:
@@ -179,17 +184,20 @@ class Backbone(nnx.Module):
         inv_freq = jnp.asarray(inverse_frequencies(config))
         params = self.layers.arrays()
 
-        def body(x, layer_in):
-            p, kv = layer_in
-            x, kv = _layer(config, p, x, positions, inv_freq, allowed, kv, write_at)
-            return x, kv
+        # The cache rides in the scan carry (not xs/ys) so XLA updates it in place instead of
+        # restacking every layer's keys and values on every decode step.
+        def body(carry, layer_in):
+            x, kv = carry
+            p, layer = layer_in
+            x, kv = _layer(config, p, x, positions, inv_freq, allowed, kv, layer, write_at)
+            return (x, kv), None
 
-        xs = (params, None if cache is None else (cache.k, cache.v))
-        x, new_kv = jax.lax.scan(body, x, xs)
+        kv = None if cache is None else (cache.k, cache.v)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(config.num_layers)))
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
         if cache is None:
             return x, None
-        return x, KVCache(k=new_kv[0], v=new_kv[1], valid=key_valid, length=cache.length + T)
+        return x, KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T)
 
 
 class Decoder(nnx.Module):

@@ -88,8 +88,8 @@ def check_hf_tensors(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]],
     unexpected = [n for n in shapes if n not in expected and n not in optional
                   and not n.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
-        raise ModelFormatError(f"{source}: unexpected tensor {unexpected[0]!r} "
-                               f"({len(unexpected)} in all) does not belong to a {config.architecture}")
+        raise ModelFormatError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) is "
+                               f"not part of the {config.num_layers}-layer {config.architecture} config.json describes")
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise ModelFormatError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, "

@@ -1,0 +1,58 @@
+"""`opd-jax generate`: one JSON line per sample, logprobs consistent with the model."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from hf_reference import make_hf_model
+from opd_jax.cli import app
+from opd_jax.models import load_model
+
+runner = CliRunner()
+
+
+def run(*args):
+    result = runner.invoke(app, ["generate", *map(str, args)], env={"COLUMNS": "1000"})
+    return result, [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def test_generate_from_token_ids_on_a_saved_model(tmp_path):
+    make_hf_model("qwen2", tmp_path)
+    result, records = run(tmp_path, "--prompt-ids", "3,1,4,1,5", "-n", "3", "--max-new-tokens", "6",
+                          "--temperature", "1.0", "--seed", "4")
+    assert result.exit_code == 0, result.output
+    assert [(r["request"], r["sample"]) for r in records] == [(0, 0), (0, 1), (0, 2)]
+    model, _ = load_model(tmp_path)
+    for r in records:
+        assert r["prompt_token_ids"] == [3, 1, 4, 1, 5] and r["text"] is None
+        seq = np.array(r["prompt_token_ids"] + r["token_ids"], np.int32)[None]
+        logits = np.asarray(model(jnp.asarray(seq)))[0].astype(np.float64)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        expected = logp[4:-1][np.arange(len(r["token_ids"])), r["token_ids"]]
+        np.testing.assert_allclose(r["logprobs"], expected, atol=1e-4)
+    assert len({tuple(r["token_ids"]) for r in records}) > 1  # three independent samples
+
+
+@pytest.mark.smollm2
+def test_generate_chat_with_smollm2():
+    result, records = run("smollm2-135m-instruct", "-p", "What is the capital of France?", "--temperature", "0",
+                          "--max-new-tokens", "16")
+    assert result.exit_code == 0, result.output
+    (record,) = records
+    assert "Paris" in record["text"] and record["finish_reason"] in ("stop", "length")
+    assert len(record["token_ids"]) == len(record["logprobs"]) <= 16
+
+
+def test_bad_input_is_reported(tmp_path):
+    result, _ = run(tmp_path / "missing", "--prompt-ids", "1")
+    assert result.exit_code != 0 and "no such file or directory" in result.output
+    make_hf_model("llama", tmp_path)
+    result, _ = run(tmp_path, "--messages", "{not json")
+    assert result.exit_code != 0 and "not valid JSON" in result.output
+    result, _ = run(tmp_path, "-p", "hello")
+    assert result.exit_code != 0 and "has no tokenizer" in result.output
+    result, _ = run(tmp_path, "--prompt-ids", "1," * 200 + "1", "--max-new-tokens", "8")
+    assert result.exit_code != 0 and "cache slots" in result.output

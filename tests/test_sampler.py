@@ -1,0 +1,165 @@
+"""The embedded engine against a full forward recomputation and a NumPy reference of sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opd_jax.models import Decoder, KVCache, ModelConfig
+from opd_jax.sampling import PromptTooLongError, Sampler, SamplingParams, sample_tokens, truncate_top_k_top_p
+from flax import nnx
+
+CONFIG = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, qkv_bias=True,
+                     max_position_embeddings=256)
+
+
+def make_model(seed=0, scale=10.0):
+    """A random decoder whose weights are scaled up so its next-token distributions are peaked."""
+    model = Decoder(CONFIG, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def ragged_prompts(rng, lengths):
+    return [list(rng.integers(0, CONFIG.vocab_size, n)) for n in lengths]
+
+
+def recompute_logprobs(model, rollout, temperature):
+    seq = np.array(rollout.prompt_ids + rollout.output_ids, np.int32)[None]
+    logits = np.asarray(model(jnp.asarray(seq)))[0].astype(np.float64)
+    P = len(rollout.prompt_ids)
+    scaled = logits[P - 1:-1] / (temperature if temperature > 0 else 1.0)
+    logp = scaled - np.log(np.exp(scaled - scaled.max(-1, keepdims=True)).sum(-1, keepdims=True)) - scaled.max(-1, keepdims=True)
+    return logp[np.arange(len(rollout.output_ids)), list(rollout.output_ids)], logits[P - 1:-1]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.0, 1.0, 0)])
+def test_logprobs_equal_full_forward(model, temperature, top_p, top_k):
+    rng = np.random.default_rng(0)
+    prompts = ragged_prompts(rng, [3, 11, 7, 1])
+    sampler = Sampler(model)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, top_k=top_k)
+    rollouts = sampler.generate(prompts, params, jax.random.key(1))
+    for prompt, rollout in zip(prompts, rollouts):
+        assert rollout.prompt_ids == tuple(prompt)
+        assert len(rollout.output_ids) == 12 and rollout.finish_reason == "length"
+        ref, logits = recompute_logprobs(model, rollout, temperature)
+        np.testing.assert_allclose(rollout.output_logprobs, ref, atol=1e-4)
+        if temperature == 0:
+            np.testing.assert_array_equal(rollout.output_ids, logits.argmax(-1))
+        if top_k:  # every drawn token is inside the top-k of its step
+            ranks = (logits > logits[np.arange(12), list(rollout.output_ids)][:, None]).sum(-1)
+            assert ranks.max() < top_k
+
+
+def test_kv_cache_decode_equals_no_cache_forward(model):
+    rng = np.random.default_rng(2)
+    seq = rng.integers(0, CONFIG.vocab_size, (2, 14)).astype(np.int32)
+    full = np.asarray(model(jnp.asarray(seq)))
+    cache = KVCache.empty(CONFIG, 2, 20, jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(14, dtype=jnp.int32), (2, 14))
+    logits, cache = model.decode(jnp.asarray(seq[:, :6]), cache, positions=positions[:, :6])
+    np.testing.assert_allclose(np.asarray(logits), full[:, 5], rtol=1e-5, atol=1e-4)
+    for t in range(6, 14):
+        logits, cache = model.decode(jnp.asarray(seq[:, t:t + 1]), cache, positions=positions[:, t:t + 1])
+        np.testing.assert_allclose(np.asarray(logits), full[:, t], rtol=1e-5, atol=1e-4)
+    assert int(cache.length) == 14
+
+
+def test_same_key_same_samples_other_key_differs(model):
+    prompts = ragged_prompts(np.random.default_rng(3), [4, 9])
+    sampler = Sampler(model)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    a = sampler.generate(prompts, params, jax.random.key(7))
+    b = sampler.generate(prompts, params, jax.random.key(7))
+    c = sampler.generate(prompts, params, jax.random.key(8))
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert [r.output_ids for r in a] != [r.output_ids for r in c]
+    # a row's sample does not depend on the rows after it in the batch
+    d = sampler.generate(prompts + ragged_prompts(np.random.default_rng(4), [30]), params, jax.random.key(7))
+    assert [r.output_ids for r in d[:2]] == [r.output_ids for r in a]
+
+
+def test_stop_ids_end_sequences(model):
+    prompts = ragged_prompts(np.random.default_rng(5), [5, 8, 2])
+    sampler = Sampler(model)
+    greedy = sampler.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0), jax.random.key(0))
+    stop = greedy[0].output_ids[3]  # a token row 0 emits at step 3
+    stopped = sampler.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(stop,)),
+                               jax.random.key(0))
+    for before, after in zip(greedy, stopped):
+        if stop in before.output_ids:
+            cut = before.output_ids.index(stop) + 1
+            assert after.output_ids == before.output_ids[:cut] and after.finish_reason == "stop"
+            assert after.output_logprobs == pytest.approx(before.output_logprobs[:cut], abs=1e-5)
+        else:
+            assert after.output_ids == before.output_ids and after.finish_reason == "length"
+    assert stopped[0].finish_reason == "stop" and len(stopped[0].output_ids) <= 4
+
+
+def test_per_request_max_new_tokens(model):
+    prompts = ragged_prompts(np.random.default_rng(6), [3, 3])
+    out = Sampler(model).generate(prompts, [SamplingParams(max_new_tokens=4, temperature=0),
+                                            SamplingParams(max_new_tokens=9, temperature=0)], jax.random.key(0))
+    assert [len(r.output_ids) for r in out] == [4, 9]
+
+
+def test_compiles_once_per_shape_and_across_weight_updates(model):
+    sampler = Sampler(model)
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95)
+    sampler.generate(ragged_prompts(np.random.default_rng(7), [3, 5]), params, jax.random.key(0))
+    compiled = sampler.compiled_variants()
+    sampler.generate(ragged_prompts(np.random.default_rng(8), [9, 2]), params, jax.random.key(1))
+    sampler.update_weights(make_model(seed=1), weight_version=3)
+    out = sampler.generate(ragged_prompts(np.random.default_rng(9), [12, 16]),
+                           SamplingParams(max_new_tokens=8, temperature=0.5, top_k=3), jax.random.key(2))
+    assert sampler.compiled_variants() == compiled
+    assert all(r.weight_version == 3 for r in out)
+
+
+def test_prompt_longer_than_cache_is_a_clear_error(model):
+    sampler = Sampler(model, max_cache_len=32)
+    with pytest.raises(PromptTooLongError, match="prompt 1 has 30 tokens.*max_new_tokens=8.*38 cache slots.*32"):
+        sampler.generate([[1, 2], [3] * 30], SamplingParams(max_new_tokens=8), jax.random.key(0))
+    with pytest.raises(ValueError, match="token id 99 outside the vocabulary"):
+        sampler.generate([[1, 99]], SamplingParams(max_new_tokens=2), jax.random.key(0))
+
+
+def numpy_truncate(scaled, top_k, top_p):
+    order = np.argsort(-scaled, kind="stable")
+    probs = np.exp(scaled[order] - scaled.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep_sorted = (before < top_p) & ((np.arange(len(scaled)) < top_k) if top_k else True)
+    out = np.full_like(scaled, -np.inf)
+    out[order[keep_sorted]] = scaled[order[keep_sorted]]
+    return out
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.5), (4, 0.8), (1, 1.0)])
+def test_truncation_matches_numpy(top_k, top_p):
+    scaled = np.random.default_rng(top_k).normal(size=(5, 40)).astype(np.float32) * 2
+    ours = np.asarray(truncate_top_k_top_p(jnp.asarray(scaled), jnp.full((5,), top_k), jnp.full((5,), top_p)))
+    for row in range(5):
+        np.testing.assert_array_equal(np.isinf(ours[row]), np.isinf(numpy_truncate(scaled[row], top_k, top_p)))
+
+
+def test_sampling_frequencies_follow_the_truncated_distribution():
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
+    n = 20000
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, logprobs = sample_tokens(jnp.tile(jnp.asarray(logits), (n, 1)), keys, jnp.full((n,), 1.0),
+                                     jnp.full((n,), 0, jnp.int32), jnp.full((n,), 0.75))
+    # nucleus 0.75: mass before token 2 is 0.65 < 0.75, before token 3 it is 0.8 -> keep {0, 1, 2}
+    expected = np.array([0.4, 0.25, 0.15]) / 0.8
+    freq = np.bincount(np.asarray(tokens), minlength=6) / n
+    np.testing.assert_allclose(freq[:3], expected, atol=0.015)
+    assert freq[3:].sum() == 0
+    np.testing.assert_allclose(np.asarray(logprobs), logits[np.asarray(tokens)], atol=1e-6)
