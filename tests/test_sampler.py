@@ -4,10 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from opd_jax.models import Decoder, KVCache, ModelConfig
 from opd_jax.sampling import PromptTooLongError, Sampler, SamplingParams, sample_tokens, truncate_top_k_top_p
-from flax import nnx
 
 CONFIG = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, qkv_bias=True,
@@ -163,3 +166,16 @@ def test_sampling_frequencies_follow_the_truncated_distribution():
     np.testing.assert_allclose(freq[:3], expected, atol=0.015)
     assert freq[3:].sum() == 0
     np.testing.assert_allclose(np.asarray(logprobs), logits[np.asarray(tokens)], atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(logits=hnp.arrays(np.float32, (3, 17), elements=st.floats(-8, 8, width=32)),
+       top_k=st.integers(0, 20), top_p=st.floats(0.05, 1.0))
+def test_truncation_property_against_numpy(logits, top_k, top_p):
+    """Kept set = NumPy reference wherever no two logits tie at the cut; the argmax is always kept."""
+    ours = np.asarray(truncate_top_k_top_p(jnp.asarray(logits), jnp.full((3,), top_k), jnp.full((3,), top_p)))
+    for row in range(3):
+        ref = numpy_truncate(logits[row], top_k, top_p)
+        assert np.isfinite(ours[row, logits[row].argmax()])
+        if len(np.unique(logits[row])) == logits.shape[1]:
+            np.testing.assert_array_equal(np.isinf(ours[row]), np.isinf(ref))

@@ -87,3 +87,23 @@ def test_greedy_chat_decoding_matches_transformers_generate(smollm2):
         assert list(rollout.output_ids) == expected
         assert rollout.finish_reason == ("stop" if expected[-1] == tokenizer.eos_token_id else "length")
     assert "Paris" in tokenizer.decode(rollouts[0].output_ids)
+
+
+def test_saved_directory_loads_in_transformers_with_its_tokenizer(smollm2, tmp_path):
+    """GGUF in, Hugging Face directory out: transformers reads back the same model and tokenizer."""
+    from opd_jax.models import save_model
+
+    model, tokenizer, hf, hf_tokenizer = smollm2
+    save_model(model, tmp_path, tokenizer)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    reloaded_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer.encode(TEXTS[1])
+    with torch.no_grad():
+        np.testing.assert_allclose(reloaded(torch.tensor([ids])).logits.numpy(),
+                                   hf(torch.tensor([ids])).logits.numpy(), atol=1e-5)
+    for text in TEXTS:
+        assert reloaded_tokenizer.encode(text) == hf_tokenizer.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert reloaded_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        tokenizer.apply_chat_template(messages)
+    assert reloaded_tokenizer.eos_token == tokenizer.eos_token
