@@ -5,9 +5,9 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import make_hf_model
 from typer.testing import CliRunner
 
-from hf_reference import make_hf_model
 from opd_jax.cli import app
 from opd_jax.models import load_model
 

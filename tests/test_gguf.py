@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from gguf_writer import write_gguf
 from hf_reference import hf_logits, make_hf_model
+
 from opd_jax.models import ModelFormatError, load_model
 
 

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from hf_reference import make_hf_model
+
 from opd_jax.models import ModelConfig, ModelFormatError, load_model
 
 

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-
 from hf_reference import FAMILY_CONFIGS, hf_logits, make_hf_model
+
 from opd_jax.models import load_model, save_model
 
 KINDS = list(FAMILY_CONFIGS)

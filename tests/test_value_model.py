@@ -3,11 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
-from hf_reference import hf_logits, make_hf_model
-from opd_jax.models import ModelConfig, ValueModel, load_model
 import torch
+from flax import nnx
+from hf_reference import hf_logits, make_hf_model
+
+from opd_jax.models import Decoder, ModelConfig, ValueModel, load_model
 
 
 def test_value_model_from_policy(tmp_path):
@@ -37,7 +37,7 @@ def test_value_model_from_policy(tmp_path):
 def test_every_parameter_has_logical_axes_of_its_rank():
     config = ModelConfig(family="qwen3", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=8, qkv_bias=True, o_bias=True, qk_norm=True)
-    for module in (ValueModel(config), __import__("opd_jax.models", fromlist=["Decoder"]).Decoder(config)):
+    for module in (ValueModel(config), Decoder(config)):
         params = nnx.state(module, nnx.Param)
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
         assert leaves

@@ -97,7 +97,9 @@ class ModelConfig:
             raise ModelFormatError(f"{source}: use_sliding_window=true is not supported")
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
-        head_dim = hf.get("head_dim") or (hidden // num_heads if isinstance(hidden, int) and isinstance(num_heads, int) else None)
+        head_dim = hf.get("head_dim")
+        if head_dim is None and isinstance(hidden, int) and isinstance(num_heads, int) and num_heads > 0:
+            head_dim = hidden // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
