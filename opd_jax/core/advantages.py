@@ -1,0 +1,53 @@
+"""Advantage estimators: token-level GAE from a critic, and the GRPO group baseline. Pure."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[jax.Array, jax.Array]:
+    """Generalized Advantage Estimation (Schulman et al. 2016), token level, over masked tokens.
+
+        δ_t = r_t + γ·V_next(t) − V_t,    A_t = δ_t + γλ·A_next(t),    returns_t = A_t + V_t
+
+    where next(t) is the next token with mask 1 (masked tokens are skipped, so a masked hole in a
+    multi-turn response does not end the episode) and V = A = 0 after the last one. rewards,
+    values, mask: [B, T]; outputs are zero where mask is 0. One reverse `lax.scan` over T.
+    """
+    chex.assert_rank([rewards, values, mask], 2)
+    chex.assert_equal_shape([rewards, values, mask])
+    m = mask.astype(jnp.float32)
+    r, v = rewards.astype(jnp.float32), values.astype(jnp.float32)
+
+    def step(carry, x):
+        next_value, next_adv = carry
+        r_t, v_t, m_t = x
+        adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+        carry = (jnp.where(m_t > 0, v_t, next_value), jnp.where(m_t > 0, adv, next_adv))
+        return carry, adv * m_t
+
+    zeros = jnp.zeros(rewards.shape[0], jnp.float32)
+    _, adv = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+    adv = adv.T
+    return adv, (adv + v) * m
+
+
+def group_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = True,
+                     eps: float = 1e-6) -> jax.Array:
+    """GRPO baseline over consecutive groups of `group_size` samples of the same prompt.
+
+        A_i = (R_i − mean_group(R)) / (std_group(R) + eps)    (std division off: Dr.GRPO)
+
+    rewards: [B] with B a multiple of group_size; std is the population std. Returns [B].
+    """
+    chex.assert_rank(rewards, 1)
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"batch of {rewards.shape[0]} rewards is not a multiple of group_size={group_size}")
+    grouped = rewards.astype(jnp.float32).reshape(-1, group_size)
+    centered = grouped - grouped.mean(axis=1, keepdims=True)
+    if normalize_std:
+        centered = centered / (grouped.std(axis=1, keepdims=True) + eps)
+    return centered.reshape(-1)

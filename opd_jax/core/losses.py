@@ -1,0 +1,94 @@
+"""PPO losses: the clipped policy surrogate and the clipped value loss. Pure.
+
+Each loss returns (loss, metrics) with metrics["loss_sum"] and metrics["token_count"] beside the
+reduced loss, so micro-batch gradient accumulation can reduce exactly as one big batch would.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+
+
+def _aggregate(per_token: jax.Array, mask: jax.Array, agg: Aggregation) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, sum, count). token-mean: Σ l·m / Σ m over the batch (DAPO). seq-mean-token-mean:
+    mean over rows with any token of (Σ_t l·m / Σ_t m) (GRPO paper); sum/count are then per row."""
+    if agg == "token-mean":
+        total, count = jnp.sum(per_token * mask), jnp.sum(mask)
+    elif agg == "seq-mean-token-mean":
+        row_count = jnp.sum(mask, axis=1)
+        has_tokens = row_count > 0
+        row_mean = jnp.sum(per_token * mask, axis=1) / jnp.maximum(row_count, 1.0)
+        total, count = jnp.sum(jnp.where(has_tokens, row_mean, 0.0)), jnp.sum(has_tokens.astype(jnp.float32))
+    else:
+        raise ValueError(f"unknown loss aggregation {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+    return total / jnp.maximum(count, 1.0), total, count
+
+
+def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask: jax.Array, *,
+                eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float | None = None,
+                weights: jax.Array | None = None, agg: Aggregation = "token-mean"
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped surrogate (PPO; asymmetric clip-higher as in DAPO), per token:
+
+        r = exp(logp − logp_old)
+        l = −w · min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)
+        dual clip (Ye et al. 2020), for A < 0 only: l = min(l, −w·c·A)
+
+    aggregated over mask by `agg`. w: mismatch weights (IcePop / TIS), default 1. All [B, T].
+    Metrics: clip fractions (low: r < 1−eps_low with A < 0; high: r > 1+eps_high with A > 0), k3
+    approx KL of θ_old to θ, ratio mean/max, fraction of masked-in tokens with weight 0.
+    """
+    chex.assert_rank([logp, logp_old, advantages, mask], 2)
+    chex.assert_equal_shape([logp, logp_old, advantages, mask])
+    m = mask.astype(jnp.float32)
+    w = jnp.ones_like(m) if weights is None else jax.lax.stop_gradient(weights.astype(jnp.float32))
+    A = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    log_ratio = logp.astype(jnp.float32) - jax.lax.stop_gradient(logp_old.astype(jnp.float32))
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = -w * jnp.minimum(ratio * A, clipped * A)
+    if dual_clip is not None:
+        per_token = jnp.where(A < 0, jnp.minimum(per_token, -w * dual_clip * A), per_token)
+    loss, total, count = _aggregate(per_token, m, agg)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    masked_mean = lambda x: jnp.sum(x * m) / n  # noqa: E731
+    metrics = {
+        "loss_sum": total, "token_count": count,
+        "clip_frac_low": masked_mean(((ratio < 1.0 - eps_low) & (A < 0)).astype(jnp.float32)),
+        "clip_frac_high": masked_mean(((ratio > 1.0 + eps_high) & (A > 0)).astype(jnp.float32)),
+        "approx_kl_k3": masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio),
+        "ratio_mean": masked_mean(ratio),
+        "ratio_max": jnp.max(jnp.where(m > 0, ratio, -jnp.inf)),
+        "weight_zero_frac": masked_mean((w == 0).astype(jnp.float32)),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,
+               clip: float | None = 0.2) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped value loss, masked token-mean:
+
+        l = 0.5 · max((V − R)², (clip(V, V_old − ε_v, V_old + ε_v) − R)²)     (clip=None: 0.5·(V − R)²)
+    """
+    chex.assert_rank([values, old_values, returns, mask], 2)
+    chex.assert_equal_shape([values, old_values, returns, mask])
+    m = mask.astype(jnp.float32)
+    v = values.astype(jnp.float32)
+    R = jax.lax.stop_gradient(returns.astype(jnp.float32))
+    unclipped = (v - R) ** 2
+    if clip is None:
+        per_token, clipped_frac = 0.5 * unclipped, jnp.zeros(())
+    else:
+        v_old = jax.lax.stop_gradient(old_values.astype(jnp.float32))
+        v_clipped = v_old + jnp.clip(v - v_old, -clip, clip)
+        clipped_sq = (v_clipped - R) ** 2
+        per_token = 0.5 * jnp.maximum(unclipped, clipped_sq)
+        clipped_frac = jnp.sum((clipped_sq > unclipped) * m) / jnp.maximum(jnp.sum(m), 1.0)
+    loss, total, count = _aggregate(per_token, m, "token-mean")
+    return loss, jax.lax.stop_gradient({"loss_sum": total, "token_count": count, "value_clip_frac": clipped_frac})

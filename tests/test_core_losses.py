@@ -1,0 +1,193 @@
+"""The pure PPO / IcePop functions against NumPy written from the formulas, on ragged batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opd_jax.core import gae, group_advantages, icepop_weights, policy_loss, tis_weights, value_loss
+
+
+def ragged_mask(rng, B, T, holes=False):
+    mask = np.zeros((B, T), np.float32)
+    for i in range(B):
+        start, n = rng.integers(0, 3), rng.integers(0, T - 2)  # includes all-masked rows (n = 0)
+        mask[i, start:start + n] = 1
+        if holes and n > 4:
+            mask[i, start + 2] = 0
+    mask[0] = 0
+    return mask
+
+
+def numpy_gae(r, v, m, gamma, lam):
+    B, T = r.shape
+    adv = np.zeros((B, T))
+    for i in range(B):
+        next_v, next_a = 0.0, 0.0
+        for t in reversed(range(T)):
+            a = r[i, t] + gamma * next_v - v[i, t] + gamma * lam * next_a
+            if m[i, t]:
+                adv[i, t], next_v, next_a = a, v[i, t], a
+    return adv * m, (adv + v) * m
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.99, 0.9), (0.5, 0.0)])
+@pytest.mark.parametrize("holes", [False, True])
+def test_gae_matches_numpy(gamma, lam, holes):
+    rng = np.random.default_rng(int(gamma * 100 + lam * 10))
+    B, T = 6, 13
+    m = ragged_mask(rng, B, T, holes)
+    r = rng.normal(size=(B, T)).astype(np.float32) * m
+    v = rng.normal(size=(B, T)).astype(np.float32)
+    adv, ret = gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(m), gamma, lam)
+    ref_adv, ref_ret = numpy_gae(r, v, m, gamma, lam)
+    np.testing.assert_allclose(adv, ref_adv, atol=1e-5)
+    np.testing.assert_allclose(ret, ref_ret, atol=1e-5)
+
+
+def test_gae_outcome_reward_with_lambda_one_is_reward_minus_value():
+    """γ = λ = 1, reward only on the last token: A_t = R − V_t, returns = R on every token."""
+    m = np.array([[1, 1, 1, 1, 0, 0]], np.float32)
+    r = np.array([[0, 0, 0, 2.5, 0, 0]], np.float32)
+    v = np.array([[0.3, -1.0, 0.7, 2.0, 9.0, 9.0]], np.float32)
+    adv, ret = gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(m), 1.0, 1.0)
+    np.testing.assert_allclose(adv, (2.5 - v) * m, atol=1e-6)
+    np.testing.assert_allclose(ret, 2.5 * m, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_match_numpy(normalize_std):
+    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0.2, 0.7, 0.1, 0.0], np.float32)
+    ours = np.asarray(group_advantages(jnp.asarray(rewards), 4, normalize_std=normalize_std))
+    g = rewards.reshape(3, 4)
+    ref = g - g.mean(1, keepdims=True)
+    if normalize_std:
+        ref = ref / (g.std(1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(ours, ref.reshape(-1), atol=1e-5)
+    np.testing.assert_array_equal(ours[4:8], 0.0)  # all-equal group: no signal, no NaN
+    with pytest.raises(ValueError, match="not a multiple of group_size=5"):
+        group_advantages(jnp.asarray(rewards), 5)
+
+
+def test_icepop_and_tis_match_numpy_with_bounds_hit_exactly():
+    rng = np.random.default_rng(5)
+    logp_infer = -rng.uniform(0.1, 4, (4, 64)).astype(np.float32)
+    logp_old = (logp_infer + rng.normal(scale=1.0, size=(4, 64))).astype(np.float32)
+    k = np.exp(logp_old.astype(np.float64) - logp_infer)
+    ours = np.asarray(icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), beta=2.0))
+    np.testing.assert_allclose(ours, np.where((k >= 0.5) & (k <= 2.0), k, 0.0), rtol=1e-5)
+    assert 0 < (ours == 0).mean() < 1
+    ours = np.asarray(icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), beta=3.0, alpha=0.8))
+    np.testing.assert_allclose(ours, np.where((k >= 0.8) & (k <= 3.0), k, 0.0), rtol=1e-5)
+    # bounds are inclusive: k = exp(0) = 1 exactly, with the band [1, 1]
+    same = jnp.asarray(logp_infer)
+    np.testing.assert_array_equal(np.asarray(icepop_weights(same, same, beta=1.0, alpha=1.0)), 1.0)
+    tis = np.asarray(tis_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), hi=2.0))
+    np.testing.assert_allclose(tis, np.minimum(k, 2.0), rtol=1e-5)
+
+
+def numpy_policy_loss(logp, logp_old, A, m, eps_low, eps_high, dual_clip, w, agg):
+    r = np.exp(logp.astype(np.float64) - logp_old)
+    l = -w * np.minimum(r * A, np.clip(r, 1 - eps_low, 1 + eps_high) * A)  # noqa: E741
+    if dual_clip is not None:
+        l = np.where(A < 0, np.minimum(l, -w * dual_clip * A), l)  # noqa: E741
+    if agg == "token-mean":
+        return (l * m).sum() / max(m.sum(), 1)
+    rows = [(l[i] * m[i]).sum() / m[i].sum() for i in range(len(m)) if m[i].sum() > 0]
+    return np.mean(rows) if rows else 0.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_policy_loss_matches_numpy(agg, dual_clip, with_weights):
+    rng = np.random.default_rng(hash((agg, dual_clip, with_weights)) % 2**32)
+    B, T = 7, 11
+    m = ragged_mask(rng, B, T)
+    logp_old = -rng.uniform(0.1, 4, (B, T)).astype(np.float32)
+    logp = (logp_old + rng.normal(scale=0.6, size=(B, T))).astype(np.float32)
+    A = rng.normal(size=(B, T)).astype(np.float32) * 2
+    w = rng.uniform(0, 2, (B, T)).astype(np.float32) * (rng.uniform(size=(B, T)) > 0.2) if with_weights else None
+    loss, metrics = policy_loss(jnp.asarray(logp), jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m),
+                                dual_clip=dual_clip, weights=None if w is None else jnp.asarray(w), agg=agg)
+    ref = numpy_policy_loss(logp, logp_old, A, m, 0.2, 0.28, dual_clip, 1.0 if w is None else w, agg)
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss_sum"]) / max(float(metrics["token_count"]), 1), ref, rtol=1e-5,
+                               atol=1e-6)
+    r = np.exp(logp.astype(np.float64) - logp_old)
+    n = m.sum()
+    np.testing.assert_allclose(float(metrics["clip_frac_high"]), ((r > 1.28) & (A > 0) & (m > 0)).sum() / n, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["clip_frac_low"]), ((r < 0.8) & (A < 0) & (m > 0)).sum() / n, atol=1e-6)
+    k3 = (np.exp(-np.log(r)) - 1 + np.log(r))
+    np.testing.assert_allclose(float(metrics["approx_kl_k3"]), (k3 * m).sum() / n, rtol=1e-4)
+
+
+def test_ratio_one_and_unit_weights_give_minus_mean_advantage():
+    rng = np.random.default_rng(0)
+    m = ragged_mask(rng, 5, 9)
+    logp = -rng.uniform(0.1, 3, (5, 9)).astype(np.float32)
+    A = rng.normal(size=(5, 9)).astype(np.float32)
+    loss, _ = policy_loss(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(A), jnp.asarray(m))
+    np.testing.assert_allclose(float(loss), -(A * m).sum() / m.sum(), rtol=1e-6)
+
+
+def test_micro_batch_sums_reduce_exactly_to_the_full_batch():
+    rng = np.random.default_rng(1)
+    m = ragged_mask(rng, 8, 10)
+    logp_old = -rng.uniform(0.1, 3, (8, 10)).astype(np.float32)
+    logp = logp_old + rng.normal(scale=0.3, size=(8, 10)).astype(np.float32)
+    A = rng.normal(size=(8, 10)).astype(np.float32)
+    full, _ = policy_loss(jnp.asarray(logp), jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m))
+    sums, counts = 0.0, 0.0
+    for s in (slice(0, 3), slice(3, 8)):
+        _, mt = policy_loss(jnp.asarray(logp[s]), jnp.asarray(logp_old[s]), jnp.asarray(A[s]), jnp.asarray(m[s]))
+        sums, counts = sums + float(mt["loss_sum"]), counts + float(mt["token_count"])
+    np.testing.assert_allclose(sums / counts, float(full), rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), beta=st.floats(1.05, 4.0))
+def test_masked_and_icepop_rejected_tokens_get_exactly_zero_gradient(seed, beta):
+    rng = np.random.default_rng(seed)
+    B, T = 4, 8
+    m = ragged_mask(rng, B, T)
+    logp_old = -rng.uniform(0.1, 3, (B, T)).astype(np.float32)
+    logp_infer = (logp_old + rng.normal(scale=1.0, size=(B, T))).astype(np.float32)
+    logp = (logp_old + rng.normal(scale=0.1, size=(B, T))).astype(np.float32)
+    A = rng.normal(size=(B, T)).astype(np.float32)
+    w = icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), beta=beta)
+
+    def loss_fn(lp):
+        return policy_loss(lp, jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m), weights=w)[0]
+
+    grad = np.asarray(jax.grad(loss_fn)(jnp.asarray(logp)))
+    dead = (m == 0) | (np.asarray(w) == 0)
+    assert np.all(grad[dead] == 0.0)
+    w_grad = np.asarray(jax.grad(lambda lo: icepop_weights(lo, jnp.asarray(logp_infer), beta).sum())(
+        jnp.asarray(logp_old)))
+    assert np.all(w_grad == 0.0)  # stop-gradient
+
+
+def test_value_loss_matches_numpy():
+    rng = np.random.default_rng(2)
+    m = ragged_mask(rng, 6, 9)
+    v, v_old, R = (rng.normal(size=(6, 9)).astype(np.float32) for _ in range(3))
+    loss, metrics = value_loss(jnp.asarray(v), jnp.asarray(v_old), jnp.asarray(R), jnp.asarray(m), clip=0.2)
+    vc = v_old + np.clip(v - v_old, -0.2, 0.2)
+    per = 0.5 * np.maximum((v - R) ** 2, (vc - R) ** 2)
+    np.testing.assert_allclose(float(loss), (per * m).sum() / m.sum(), rtol=1e-6)
+    loss_nc, _ = value_loss(jnp.asarray(v), jnp.asarray(v_old), jnp.asarray(R), jnp.asarray(m), clip=None)
+    np.testing.assert_allclose(float(loss_nc), (0.5 * (v - R) ** 2 * m).sum() / m.sum(), rtol=1e-6)
+    grad = np.asarray(jax.grad(lambda x: value_loss(x, jnp.asarray(v_old), jnp.asarray(R), jnp.asarray(m))[0])(
+        jnp.asarray(v)))
+    assert np.all(grad[m == 0] == 0.0)
+
+
+def test_all_masked_batch_is_finite():
+    z = jnp.zeros((2, 4))
+    loss, metrics = policy_loss(z, z, jnp.ones((2, 4)), z)
+    assert float(loss) == 0.0 and all(np.isfinite(float(v)) or k == "ratio_max" for k, v in metrics.items())
+    loss, _ = policy_loss(z, z, jnp.ones((2, 4)), z, agg="seq-mean-token-mean")
+    assert float(loss) == 0.0
