@@ -68,13 +68,13 @@ def generate(
     """Sample from a model; one JSON line per sample: text, token ids, per-token logprobs."""
     import jax
 
-    from opd_jax.models import ModelFormatError, load_model, resolve_model_path
-    from opd_jax.sampling import PromptTooLongError, Sampler, SamplingParams
+    from opd_jax.models import load_model, resolve_model_path
+    from opd_jax.sampling import Sampler, SamplingParams
 
     requests = _requests(prompt, messages, input_file, prompt_ids)
     try:
         decoder, tokenizer = load_model(resolve_model_path(model), dtype=dtype)
-    except (ModelFormatError, ValueError) as e:
+    except ValueError as e:  # ModelFormatError is one
         raise typer.BadParameter(str(e), param_hint="MODEL") from None
     stops = set(stop_id) | set(decoder.config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -95,7 +95,7 @@ def generate(
     batch = [p for p in ids for _ in range(num_samples)]
     try:
         rollouts = sampler.generate(batch, params, jax.random.key(seed))
-    except (PromptTooLongError, ValueError) as e:
+    except ValueError as e:  # PromptTooLongError is one
         raise typer.BadParameter(str(e)) from None
     for i, rollout in enumerate(rollouts):
         record = {"request": i // num_samples, "sample": i % num_samples,

@@ -175,7 +175,7 @@ def gguf_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
     token_at = lambda key: (tokens[i] if (i := _field(reader, key)) is not None and i < len(tokens) else None)  # noqa: E731
     bos = token_at("tokenizer.ggml.bos_token_id")
     if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+        bos_id = backend.token_to_id(bos)
         backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                                special_tokens=[(bos, bos_id)])
     return Tokenizer(backend=backend, bos_token=bos, eos_token=token_at("tokenizer.ggml.eos_token_id"),

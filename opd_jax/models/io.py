@@ -19,7 +19,7 @@ from opd_jax.models.config import ModelConfig, ModelFormatError
 from opd_jax.models.decoder import Decoder
 from opd_jax.models.gguf_io import read_gguf
 from opd_jax.models.tokenizer import Tokenizer
-from opd_jax.models.weights import build_decoder, check_hf_tensors, params_from_hf, params_to_hf
+from opd_jax.models.weights import build_from_params, check_hf_tensors, params_from_hf, params_to_hf
 
 _INDEX = "model.safetensors.index.json"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -57,7 +57,7 @@ def load_model(path: str | os.PathLike, dtype: Any = "float32", compute_dtype: A
         raise ModelFormatError(f"{path}: no such file or directory")
     else:
         raise ModelFormatError(f"{path}: expected a Hugging Face model directory or a .gguf file")
-    return build_decoder(config, params, compute_dtype=_dtype(compute_dtype)), tokenizer
+    return build_from_params(Decoder, config, params, compute_dtype=_dtype(compute_dtype)), tokenizer
 
 
 def _read_safetensors(directory: Path, config: ModelConfig, dtype: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from flax import nnx
 
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.decoder import Backbone, Decoder
+from opd_jax.models.weights import build_from_params
 
 
 class ValueModel(nnx.Module):
@@ -33,10 +34,6 @@ class ValueModel(nnx.Module):
     def from_policy(cls, policy: Decoder, *, head_init: Literal["zero", "small"] = "zero",
                     key: jax.Array | None = None, scale: float = 1e-3) -> ValueModel:
         """A critic whose backbone is a copy of `policy`'s; the head is zero or N(0, scale²)."""
-        param_dtype = policy.param_dtype
-        critic = nnx.eval_shape(lambda: cls(policy.config, param_dtype=param_dtype,
-                                            compute_dtype=policy.backbone.compute_dtype))
-        graphdef, state = nnx.split(critic)
         backbone = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(policy.backbone, nnx.Param)))
         if head_init == "zero":
             head = jnp.zeros((policy.config.hidden_size,), jnp.float32)
@@ -46,6 +43,5 @@ class ValueModel(nnx.Module):
             head = scale * jax.random.normal(key, (policy.config.hidden_size,), jnp.float32)
         else:
             raise ValueError(f"head_init must be 'zero' or 'small', got {head_init!r}")
-        nnx.replace_by_pure_dict(state, {"backbone": backbone, "value_head": head,
-                                         "value_bias": jnp.zeros((), jnp.float32)})
-        return nnx.merge(graphdef, state)
+        params = {"backbone": backbone, "value_head": head, "value_bias": jnp.zeros((), jnp.float32)}
+        return build_from_params(cls, policy.config, params, compute_dtype=policy.backbone.compute_dtype)

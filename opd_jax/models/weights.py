@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig, ModelFormatError
-from opd_jax.models.decoder import Decoder
+
+M = TypeVar("M", bound=nnx.Module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +138,12 @@ def params_to_hf(config: ModelConfig, params: Mapping[str, Any]) -> dict[str, np
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def build_decoder(config: ModelConfig, params: Mapping[str, Any], compute_dtype: Any = None) -> Decoder:
-    """A Decoder holding exactly `params` (no random initialisation is run)."""
-    param_dtype = jax.tree.leaves(params)[0].dtype
-    abstract = nnx.eval_shape(lambda: Decoder(config, param_dtype=param_dtype, compute_dtype=compute_dtype))
+def build_from_params(module_cls: type[M], config: ModelConfig, params: Mapping[str, Any],
+                      compute_dtype: Any = None) -> M:
+    """A `module_cls` (Decoder or ValueModel) holding exactly `params`; no random init is run.
+    The parameter dtype is the embedding's."""
+    param_dtype = params["backbone"]["embed"].dtype
+    abstract = nnx.eval_shape(lambda: module_cls(config, param_dtype=param_dtype, compute_dtype=compute_dtype))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
