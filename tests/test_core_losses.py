@@ -7,7 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opd_jax.core import gae, group_advantages, icepop_weights, policy_loss, tis_weights, value_loss
+from opd_jax.core import (
+    gae,
+    group_advantages,
+    icepop_weights,
+    kl_estimate,
+    length_adaptive_lambda,
+    loss_denominator,
+    outcome_rewards,
+    policy_loss,
+    shift_right,
+    tis_weights,
+    token_logprobs,
+    value_loss,
+    whiten,
+)
 
 
 def ragged_mask(rng, B, T, holes=False):
@@ -191,3 +205,97 @@ def test_all_masked_batch_is_finite():
     assert float(loss) == 0.0 and all(np.isfinite(float(v)) or k == "ratio_max" for k, v in metrics.items())
     loss, _ = policy_loss(z, z, jnp.ones((2, 4)), z, agg="seq-mean-token-mean")
     assert float(loss) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low-var"])
+def test_kl_estimators_match_numpy(kind):
+    rng = np.random.default_rng(7)
+    logp = -rng.uniform(0.1, 3, (3, 9)).astype(np.float32)
+    logp_ref = logp + rng.normal(scale=2.0, size=(3, 9)).astype(np.float32)
+    logp_ref[0, 0] = logp[0, 0] + 30.0  # far enough for the low-var clamps to bite
+    x = logp.astype(np.float64) - logp_ref
+    ref = {"k1": x, "k2": 0.5 * x ** 2, "k3": np.exp(-x) - 1 + x,
+           "low-var": np.clip(np.exp(-np.clip(x, -20, 20)) - 1 + np.clip(x, -20, 20), -10, 10)}[kind]
+    np.testing.assert_allclose(np.asarray(kl_estimate(jnp.asarray(logp), jnp.asarray(logp_ref), kind)), ref,
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):
+        kl_estimate(jnp.asarray(logp), jnp.asarray(logp_ref), "k9")
+
+
+def test_token_logprobs_and_entropy_match_numpy():
+    rng = np.random.default_rng(8)
+    logits = rng.normal(scale=3, size=(2, 6, 11)).astype(np.float32)
+    tokens = rng.integers(0, 11, (2, 6)).astype(np.int32)
+    logp, ent = token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), with_entropy=True)
+    z = logits.astype(np.float64)
+    logsm = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    ref_logp = np.zeros((2, 6))
+    ref_ent = np.zeros((2, 6))
+    for b in range(2):
+        for t in range(1, 6):
+            ref_logp[b, t] = logsm[b, t - 1, tokens[b, t]]
+            ref_ent[b, t] = -(np.exp(logsm[b, t - 1]) * logsm[b, t - 1]).sum()
+    np.testing.assert_allclose(np.asarray(logp), ref_logp, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent), ref_ent, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(shift_right(jnp.asarray(z[..., 0]))), np.pad(z[:, :-1, 0], ((0, 0), (1, 0))))
+
+
+def test_outcome_rewards_whiten_and_adaptive_lambda():
+    m = np.array([[0, 1, 1, 1, 0], [1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], np.float32)  # a hole, an empty row
+    r = np.array([2.0, -1.0, 5.0], np.float32)
+    np.testing.assert_array_equal(np.asarray(outcome_rewards(jnp.asarray(r), jnp.asarray(m))),
+                                  [[0, 0, 0, 2, 0], [0, 0, 0, -1, 0], [0, 0, 0, 0, 0]])
+    x = np.random.default_rng(0).normal(size=m.shape).astype(np.float32)
+    sel = x[m > 0]
+    ref = np.where(m > 0, (x - sel.mean()) / (sel.std() + 1e-8), 0)
+    np.testing.assert_allclose(np.asarray(whiten(jnp.asarray(x), jnp.asarray(m))), ref, rtol=1e-5, atol=1e-6)
+    long = np.zeros((3, 400), np.float32)
+    long[0, :10], long[1, :100], long[2, :400] = 1, 1, 1
+    lam = np.asarray(length_adaptive_lambda(jnp.asarray(long), alpha=0.05))
+    np.testing.assert_allclose(lam, [0.0, 1 - 1 / 5, 1 - 1 / 20], rtol=1e-6)
+
+
+def test_gae_takes_one_lambda_per_row():
+    rng = np.random.default_rng(9)
+    m = ragged_mask(rng, 4, 12, holes=True)
+    r = rng.normal(size=(4, 12)).astype(np.float32) * m
+    v = rng.normal(size=(4, 12)).astype(np.float32)
+    lams = np.array([0.0, 0.5, 0.9, 1.0], np.float32)
+    adv, ret = gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(m), 0.97, jnp.asarray(lams))
+    for i, lam in enumerate(lams):
+        ref_adv, ref_ret = numpy_gae(r[i:i + 1], v[i:i + 1], m[i:i + 1], 0.97, float(lam))
+        np.testing.assert_allclose(np.asarray(adv)[i:i + 1], ref_adv, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ret)[i:i + 1], ref_ret, atol=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_gradients_with_a_shared_normalizer_add_up_exactly(agg):
+    rng = np.random.default_rng(10)
+    m = ragged_mask(rng, 8, 10)
+    logp_old = -rng.uniform(0.1, 3, (8, 10)).astype(np.float32)
+    logp = jnp.asarray(logp_old + rng.normal(scale=0.3, size=(8, 10)).astype(np.float32))
+    A = rng.normal(size=(8, 10)).astype(np.float32)
+    args = lambda s: (jnp.asarray(logp_old[s]), jnp.asarray(A[s]), jnp.asarray(m[s]))
+    full = jax.grad(lambda lp: policy_loss(lp, *args(slice(None)), agg=agg)[0])(logp)
+    n = loss_denominator(jnp.asarray(m), agg)
+    parts = [jax.grad(lambda lp, s=s: policy_loss(lp[s], *args(s), agg=agg, normalizer=n)[0])(logp)
+             for s in (slice(0, 2), slice(2, 5), slice(5, 8))]
+    np.testing.assert_allclose(np.asarray(sum(parts)), np.asarray(full), rtol=1e-5, atol=1e-8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), agg=st.sampled_from(["token-mean", "seq-mean-token-mean"]))
+def test_property_unit_ratio_and_weights_give_minus_mean_advantage(seed, agg):
+    rng = np.random.default_rng(seed)
+    m = ragged_mask(rng, 5, 9)
+    logp = jnp.asarray(-rng.uniform(0.1, 3, (5, 9)).astype(np.float32))
+    A = rng.normal(size=(5, 9)).astype(np.float32)
+    loss, metrics = policy_loss(logp, logp, jnp.asarray(A), jnp.asarray(m), weights=jnp.ones((5, 9)), agg=agg,
+                                dual_clip=3.0)
+    if agg == "token-mean":
+        ref = -(A * m).sum() / max(m.sum(), 1)
+    else:
+        rows = [(A[i] * m[i]).sum() / m[i].sum() for i in range(5) if m[i].sum() > 0]
+        ref = -np.mean(rows) if rows else 0.0
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5, atol=1e-6)
+    assert float(metrics["clip_frac_low"]) == float(metrics["clip_frac_high"]) == 0.0

@@ -1,7 +1,32 @@
 """Pure functions of the PPO / IcePop recipe: arrays in, arrays out; jitted by their callers."""
 
-from opd_jax.core.advantages import gae, group_advantages
-from opd_jax.core.losses import policy_loss, value_loss
-from opd_jax.core.mismatch import icepop_weights, tis_weights
+from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
+from opd_jax.core.batch import BatchError, RolloutBatch, validate_batch
+from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.losses import aggregate, kl_estimate, loss_denominator, policy_loss, value_loss
+from opd_jax.core.mismatch import (
+                                   CORRECTION_KINDS,
+                                   MismatchCorrection,
+                                   icepop_weights,
+                                   mismatch_metrics,
+                                   mismatch_weights,
+                                   tis_weights,
+)
+from opd_jax.core.optim import OptimizerConfig, make_optimizer
+from opd_jax.core.ppo import (
+                                   KLConfig,
+                                   PPOConfig,
+                                   PPOState,
+                                   ppo_step,
+                                   reference_logprobs,
+                                   score_batch,
+                                   sequence_logprobs,
+                                   sequence_values,
+)
 
-__all__ = ["gae", "group_advantages", "icepop_weights", "policy_loss", "tis_weights", "value_loss"]
+__all__ = ["CORRECTION_KINDS", "BatchError", "KLConfig", "MismatchCorrection", "OptimizerConfig", "PPOConfig",
+           "PPOState", "RolloutBatch", "aggregate", "gae", "group_advantages", "icepop_weights", "kl_estimate",
+           "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics", "mismatch_weights",
+           "outcome_rewards", "policy_loss", "ppo_step", "reference_logprobs", "score_batch", "sequence_logprobs",
+           "sequence_values", "shift_right", "tis_weights", "token_logprobs", "validate_batch", "value_loss",
+           "whiten"]

@@ -8,19 +8,21 @@ import jax.numpy as jnp
 
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[jax.Array, jax.Array]:
+        lam: float | jax.Array = 0.95) -> tuple[jax.Array, jax.Array]:
     """Generalized Advantage Estimation (Schulman et al. 2016), token level, over masked tokens.
 
         δ_t = r_t + γ·V_next(t) − V_t,    A_t = δ_t + γλ·A_next(t),    returns_t = A_t + V_t
 
     where next(t) is the next token with mask 1 (masked tokens are skipped, so a masked hole in a
     multi-turn response does not end the episode) and V = A = 0 after the last one. rewards,
-    values, mask: [B, T]; outputs are zero where mask is 0. One reverse `lax.scan` over T.
+    values, mask: [B, T]; lam: a scalar or one λ per row [B] (see `length_adaptive_lambda`);
+    outputs are zero where mask is 0. One reverse `lax.scan` over T.
     """
     chex.assert_rank([rewards, values, mask], 2)
     chex.assert_equal_shape([rewards, values, mask])
     m = mask.astype(jnp.float32)
     r, v = rewards.astype(jnp.float32), values.astype(jnp.float32)
+    lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), rewards.shape[:1])
 
     def step(carry, x):
         next_value, next_adv = carry
@@ -51,3 +53,33 @@ def group_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = 
     if normalize_std:
         centered = centered / (grouped.std(axis=1, keepdims=True) + eps)
     return centered.reshape(-1)
+
+
+def length_adaptive_lambda(mask: jax.Array, alpha: float = 0.05) -> jax.Array:
+    """VAPO's length-adaptive GAE λ for the policy, per row: λ = 1 − 1/(α·len), len = the number
+    of response tokens, clipped to [0, 1] (short responses get λ = 0, long ones λ → 1). [B]."""
+    chex.assert_rank(mask, 2)
+    length = jnp.sum(mask.astype(jnp.float32), axis=1)
+    return jnp.clip(1.0 - 1.0 / (alpha * jnp.maximum(length, 1.0)), 0.0, 1.0)
+
+
+def outcome_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
+    """Token rewards [B, T] from one scalar outcome reward per sample [B]: the reward sits on the
+    last token whose mask is 1, every other token gets 0 (rows with no such token get nothing)."""
+    chex.assert_rank([rewards, mask], [1, 2])
+    chex.assert_equal_shape_prefix([rewards, mask], 1)
+    m = mask.astype(jnp.float32)
+    T = mask.shape[1]
+    last = T - 1 - jnp.argmax(m[:, ::-1], axis=1)
+    is_last = (jnp.arange(T)[None, :] == last[:, None]) & (m > 0)
+    return jnp.where(is_last, rewards.astype(jnp.float32)[:, None], 0.0)
+
+
+def whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """(x − mean) / (std + eps) over the masked entries of the whole batch; 0 where mask is 0."""
+    chex.assert_equal_shape([x, mask])
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    mean = jnp.sum(x * m) / n
+    var = jnp.sum(jnp.square(x - mean) * m) / n
+    return (x - mean) / (jnp.sqrt(var) + eps) * m

@@ -15,32 +15,50 @@ import jax.numpy as jnp
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
 
-def _aggregate(per_token: jax.Array, mask: jax.Array, agg: Aggregation) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(loss, sum, count). token-mean: Σ l·m / Σ m over the batch (DAPO). seq-mean-token-mean:
-    mean over rows with any token of (Σ_t l·m / Σ_t m) (GRPO paper); sum/count are then per row."""
+def loss_denominator(mask: jax.Array, agg: Aggregation) -> jax.Array:
+    """What `agg` divides the summed loss by: the number of masked tokens (token-mean) or of rows
+    with at least one masked token (seq-mean-token-mean). Computed once over a whole mini-batch
+    and passed to each micro-batch's loss as `normalizer`, the micro-batch gradients add up to
+    the mini-batch's gradient exactly."""
+    m = mask.astype(jnp.float32)
     if agg == "token-mean":
-        total, count = jnp.sum(per_token * mask), jnp.sum(mask)
-    elif agg == "seq-mean-token-mean":
-        row_count = jnp.sum(mask, axis=1)
-        has_tokens = row_count > 0
-        row_mean = jnp.sum(per_token * mask, axis=1) / jnp.maximum(row_count, 1.0)
-        total, count = jnp.sum(jnp.where(has_tokens, row_mean, 0.0)), jnp.sum(has_tokens.astype(jnp.float32))
+        return jnp.sum(m)
+    if agg == "seq-mean-token-mean":
+        return jnp.sum((jnp.sum(m, axis=1) > 0).astype(jnp.float32))
+    raise ValueError(f"unknown loss aggregation {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, agg: Aggregation,
+              normalizer: jax.Array | float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, sum, denominator) of a per-token loss [B, T] over mask.
+
+        token-mean:          Σ_bt l·m / Σ_bt m                          (DAPO)
+        seq-mean-token-mean: Σ_b [Σ_t l·m / Σ_t m] / #rows with tokens   (GRPO paper)
+
+    `normalizer` replaces this batch's own denominator (see `loss_denominator`)."""
+    m = mask.astype(jnp.float32)
+    count = loss_denominator(m, agg)
+    if agg == "token-mean":
+        total = jnp.sum(per_token * m)
     else:
-        raise ValueError(f"unknown loss aggregation {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
-    return total / jnp.maximum(count, 1.0), total, count
+        row_count = jnp.sum(m, axis=1)
+        total = jnp.sum(jnp.where(row_count > 0, jnp.sum(per_token * m, axis=1) / jnp.maximum(row_count, 1.0), 0.0))
+    denominator = count if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+    return total / jnp.maximum(denominator, 1.0), total, count
 
 
 def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask: jax.Array, *,
                 eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float | None = None,
-                weights: jax.Array | None = None, agg: Aggregation = "token-mean"
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                weights: jax.Array | None = None, agg: Aggregation = "token-mean",
+                normalizer: jax.Array | float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate (PPO; asymmetric clip-higher as in DAPO), per token:
 
         r = exp(logp − logp_old)
         l = −w · min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)
         dual clip (Ye et al. 2020), for A < 0 only: l = min(l, −w·c·A)
 
-    aggregated over mask by `agg`. w: mismatch weights (IcePop / TIS), default 1. All [B, T].
+    aggregated over mask by `agg` (divided by `normalizer` when given, see `aggregate`). w: mismatch
+    weights (IcePop / TIS), default 1. All [B, T].
     Metrics: clip fractions (low: r < 1−eps_low with A < 0; high: r > 1+eps_high with A > 0), k3
     approx KL of θ_old to θ, ratio mean/max, fraction of masked-in tokens with weight 0.
     """
@@ -55,7 +73,7 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
     per_token = -w * jnp.minimum(ratio * A, clipped * A)
     if dual_clip is not None:
         per_token = jnp.where(A < 0, jnp.minimum(per_token, -w * dual_clip * A), per_token)
-    loss, total, count = _aggregate(per_token, m, agg)
+    loss, total, count = aggregate(per_token, m, agg, normalizer)
     n = jnp.maximum(jnp.sum(m), 1.0)
     masked_mean = lambda x: jnp.sum(x * m) / n  # noqa: E731
     metrics = {
@@ -71,7 +89,8 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,
-               clip: float | None = 0.2) -> tuple[jax.Array, dict[str, jax.Array]]:
+               clip: float | None = 0.2, normalizer: jax.Array | float | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped value loss, masked token-mean:
 
         l = 0.5 · max((V − R)², (clip(V, V_old − ε_v, V_old + ε_v) − R)²)     (clip=None: 0.5·(V − R)²)
@@ -90,5 +109,29 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
         clipped_sq = (v_clipped - R) ** 2
         per_token = 0.5 * jnp.maximum(unclipped, clipped_sq)
         clipped_frac = jnp.sum((clipped_sq > unclipped) * m) / jnp.maximum(jnp.sum(m), 1.0)
-    loss, total, count = _aggregate(per_token, m, "token-mean")
+    loss, total, count = aggregate(per_token, m, "token-mean", normalizer)
     return loss, jax.lax.stop_gradient({"loss_sum": total, "token_count": count, "value_clip_frac": clipped_frac})
+
+
+KLKind = Literal["k1", "k2", "k3", "low-var"]
+
+
+def kl_estimate(logp: jax.Array, logp_ref: jax.Array, kind: KLKind = "k3") -> jax.Array:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman, "Approximating KL"):
+
+        x = logp − logp_ref
+        k1 = x,   k2 = x²/2,   k3 = exp(−x) − 1 + x
+        low-var = k3 with x clamped to [−20, 20] and the result to [−10, 10] (as verl's low_var_kl)
+    """
+    chex.assert_equal_shape([logp, logp_ref])
+    x = logp.astype(jnp.float32) - logp_ref.astype(jnp.float32)
+    if kind == "k1":
+        return x
+    if kind == "k2":
+        return 0.5 * x * x
+    if kind == "k3":
+        return jnp.exp(-x) - 1.0 + x
+    if kind == "low-var":
+        x = jnp.clip(x, -20.0, 20.0)
+        return jnp.clip(jnp.exp(-x) - 1.0 + x, -10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2', 'k3' or 'low-var'")

@@ -1,0 +1,359 @@
+"""The PPO step with a learned critic (GLM-5.2 recipe): one pure function of (state, batch).
+
+    score_batch(state, batch)  -> batch with θ_old log-probs and critic values      (one pass)
+    ppo_step(state, batch)     -> (state, metrics)
+
+ppo_step: token rewards (outcome on the last response token, optionally minus a KL penalty),
+GAE advantages with λ_policy and critic returns with λ_critic from the θ_old values, mismatch
+weights (IcePop by default) from θ_old vs engine log-probs, then `epochs` passes over
+`minibatches` mini-batches, each one optimizer update of the policy (clipped surrogate) and of
+the critic (clipped value loss), with gradients summed over `microbatches` micro-batches so the
+update equals the mini-batch's exactly. Mini-batch j holds rows j, j+M, j+2M, ... (micro-batches
+likewise), so a batch sharded over rows stays evenly spread over the devices in every slice;
+shuffle rows before the step if you want random mini-batches. An update whose gradients are not
+finite is skipped (params and optimizer state kept) and counted in the metrics. During the first
+`value_warmup_steps` steps only the critic trains (VAPO's value pretraining).
+
+Nothing here jits or shards: the caller jits `functools.partial(ppo_step, config=...)` with the
+shardings from `opd_jax.parallel` and donates the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from opd_jax.core.advantages import gae, length_adaptive_lambda, outcome_rewards, whiten
+from opd_jax.core.batch import RolloutBatch
+from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.losses import Aggregation, KLKind, aggregate, kl_estimate, loss_denominator, policy_loss, value_loss
+from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
+from opd_jax.models import Decoder, ValueModel
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+    """KL to a frozen reference; off by default (GLM-5.2 removed it). `where`: "loss" adds
+    coef·KL(π_θ ‖ π_ref) to the policy loss; "reward" subtracts coef·KL(π_old ‖ π_ref) from each
+    token's reward before GAE."""
+
+    coef: float = 0.0
+    kind: KLKind = "low-var"
+    where: Literal["loss", "reward"] = "loss"
+
+    def __post_init__(self):
+        if self.coef < 0:
+            raise ValueError(f"kl.coef must be >= 0, got {self.coef}")
+        if self.kind not in ("k1", "k2", "k3", "low-var"):
+            raise ValueError(f"unknown KL estimator {self.kind!r}; use 'k1', 'k2', 'k3' or 'low-var'")
+        if self.where not in ("loss", "reward"):
+            raise ValueError(f"kl.where must be 'loss' or 'reward', got {self.where!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """Every knob of the step. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α = adaptive_alpha."""
+
+    gamma: float = 1.0
+    lam_policy: float | Literal["adaptive"] = 0.95
+    lam_critic: float = 1.0
+    adaptive_alpha: float = 0.05
+    whiten_advantages: bool = False
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    loss_agg: Aggregation = "token-mean"
+    mismatch: MismatchCorrection = MismatchCorrection()
+    kl: KLConfig = KLConfig()
+    entropy_coef: float = 0.0
+    epochs: int = 1
+    minibatches: int = 1
+    microbatches: int = 1
+    value_warmup_steps: int = 0
+
+    def __post_init__(self):
+        for name in ("epochs", "minibatches", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.value_warmup_steps < 0:
+            raise ValueError(f"value_warmup_steps must be >= 0, got {self.value_warmup_steps}")
+        if self.lam_policy != "adaptive" and not 0 <= self.lam_policy <= 1:
+            raise ValueError(f"lam_policy must be in [0, 1] or 'adaptive', got {self.lam_policy!r}")
+        if not (0 <= self.lam_critic <= 1 and 0 <= self.gamma <= 1):
+            raise ValueError("gamma and lam_critic must be in [0, 1]")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+            raise ValueError(f"unknown loss_agg {self.loss_agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+
+    def check_batch_size(self, batch_size: int) -> None:
+        rows = self.minibatches * self.microbatches
+        if batch_size % rows:
+            raise ValueError(f"batch of {batch_size} samples does not split into {self.minibatches} mini-batches"
+                             f" x {self.microbatches} micro-batches")
+
+
+@flax.struct.dataclass
+class PPOState:
+    """Policy and critic parameters (nnx.State, which keeps each parameter's logical axes) and
+    their optimizer states, plus the step count. The graph definitions and optimizers are static."""
+
+    step: jax.Array
+    policy: nnx.State
+    critic: nnx.State
+    policy_opt: optax.OptState
+    critic_opt: optax.OptState
+    policy_def: nnx.GraphDef = flax.struct.field(pytree_node=False)
+    critic_def: nnx.GraphDef = flax.struct.field(pytree_node=False)
+    policy_tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    critic_tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, policy: Decoder, critic: ValueModel, policy_tx: optax.GradientTransformation,
+               critic_tx: optax.GradientTransformation) -> PPOState:
+        policy_def, policy_params = nnx.split(policy, nnx.Param)
+        critic_def, critic_params = nnx.split(critic, nnx.Param)
+        return cls(step=jnp.zeros((), jnp.int32), policy=policy_params, critic=critic_params,
+                   policy_opt=policy_tx.init(policy_params), critic_opt=critic_tx.init(critic_params),
+                   policy_def=policy_def, critic_def=critic_def, policy_tx=policy_tx, critic_tx=critic_tx)
+
+    def policy_model(self) -> Decoder:
+        return nnx.merge(self.policy_def, self.policy)
+
+    def critic_model(self) -> ValueModel:
+        return nnx.merge(self.critic_def, self.critic)
+
+
+# --- forward passes -------------------------------------------------------------------------
+
+def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
+                      with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params)."""
+    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                         attention_mask=batch.attention_mask)
+    return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
+
+
+def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch) -> jax.Array:
+    """V(tokens[:t]) at each position t: the critic's output on the prefix before token t."""
+    values = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                         attention_mask=batch.attention_mask)
+    return shift_right(values)
+
+
+def split_rows(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B/n, ...], slice j holding rows j, j+n, j+2n, ... (strided, see module doc)."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+
+def merge_rows(x: jax.Array) -> jax.Array:
+    """Inverse of split_rows: [n, B/n, ...] -> [B, ...]."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def _map_rows(fn, tree: Any, n: int) -> Any:
+    """fn over n strided row slices of tree, one after the other (bounded memory), outputs merged."""
+    if n == 1:
+        return fn(tree)
+    out = jax.lax.map(fn, jax.tree.map(lambda x: split_rows(x, n), tree))
+    return jax.tree.map(merge_rows, out)
+
+
+def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1) -> RolloutBatch:
+    """The batch with logp_old (θ_old = state.policy) and old_values (state.critic) filled in,
+    computed in `microbatches` slices. Zero outside the response mask."""
+    def score(b: RolloutBatch):
+        logp, _ = sequence_logprobs(state.policy_def, state.policy, b)
+        return logp, sequence_values(state.critic_def, state.critic, b)
+
+    logp_old, old_values = _map_rows(score, batch, microbatches)
+    m = batch.response_mask.astype(jnp.float32)
+    return batch.replace(logp_old=logp_old * m, old_values=old_values * m)
+
+
+def reference_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
+                       microbatches: int = 1) -> jax.Array:
+    """Per-token log-probs under a frozen reference policy, for the KL term; zero off the mask."""
+    logp = _map_rows(lambda b: sequence_logprobs(graphdef, params, b)[0], batch, microbatches)
+    return logp * batch.response_mask.astype(jnp.float32)
+
+
+# --- the step -------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class _Targets:
+    """What one optimizer update trains on, per token [rows, T] (see ppo_step)."""
+
+    batch: RolloutBatch
+    mask: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    weights: jax.Array
+
+
+# Loss terms already divided by the whole mini-batch's normalizer: their micro-batch values add up.
+_ADDITIVE = ("loss", "total_loss", "entropy", "kl_loss", "loss_sum", "token_count")
+
+
+def _weighted_metrics(per_micro: dict[str, jax.Array], counts: jax.Array) -> dict[str, jax.Array]:
+    """Combine micro-batch metrics as one batch would: sums add, maxima max, means by tokens."""
+    total = jnp.maximum(jnp.sum(counts), 1.0)
+    out = {}
+    for name, values in per_micro.items():
+        if name in _ADDITIVE:
+            out[name] = jnp.sum(values)
+        elif name.endswith("_max"):
+            out[name] = jnp.max(values)
+        else:
+            out[name] = jnp.sum(values * counts) / total
+    return out
+
+
+def _accumulate(loss_fn, params: nnx.State, micro: _Targets) -> tuple[Any, dict[str, jax.Array]]:
+    """Σ over the micro-batches (leading axis of `micro`) of grad(loss_fn), and their metrics."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def body(grad_sum, one):
+        grads, metrics = grad_fn(params, one)
+        return jax.tree.map(jnp.add, grad_sum, grads), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics = jax.lax.scan(body, zeros, micro)
+    counts = jnp.sum(micro.mask, axis=(1, 2))
+    return grads, _weighted_metrics(metrics, counts)
+
+
+def _apply(tx: optax.GradientTransformation, params: nnx.State, opt_state: Any, grads: Any
+           ) -> tuple[nnx.State, Any, dict[str, jax.Array]]:
+    """One optimizer update, skipped (state kept) when any gradient is NaN/inf."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(grad_norm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    return keep(new_params, params), keep(new_opt, opt_state), {
+        "grad_norm": grad_norm, "skipped_nonfinite": 1.0 - finite.astype(jnp.float32)}
+
+
+def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config: PPOConfig):
+    normalizer = loss_denominator(targets.mask, config.loss_agg)
+    use_entropy = config.entropy_coef > 0
+    use_kl_loss = config.kl.enabled and config.kl.where == "loss"
+
+    def loss_fn(p, t: _Targets):
+        logp, entropy = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True)
+        loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=config.eps_low,
+                                    eps_high=config.eps_high, dual_clip=config.dual_clip, weights=t.weights,
+                                    agg=config.loss_agg, normalizer=normalizer)
+        entropy_mean, _, _ = aggregate(entropy, t.mask, config.loss_agg, normalizer)
+        metrics = {**metrics, "loss": jax.lax.stop_gradient(loss), "entropy": jax.lax.stop_gradient(entropy_mean)}
+        if use_entropy:
+            loss = loss - config.entropy_coef * entropy_mean
+        if use_kl_loss:
+            kl, _, _ = aggregate(kl_estimate(logp, t.batch.logp_ref, config.kl.kind), t.mask, config.loss_agg,
+                                 normalizer)
+            loss = loss + config.kl.coef * kl
+            metrics["kl_loss"] = jax.lax.stop_gradient(kl)
+        metrics["total_loss"] = jax.lax.stop_gradient(loss)
+        return loss, metrics
+
+    micro = jax.tree.map(lambda x: split_rows(x, config.microbatches), targets)
+    grads, metrics = _accumulate(loss_fn, params, micro)
+    params, opt_state, apply_metrics = _apply(state.policy_tx, params, opt_state, grads)
+    return params, opt_state, {**metrics, **apply_metrics}
+
+
+def _critic_update(state: PPOState, params, opt_state, targets: _Targets, config: PPOConfig):
+    normalizer = jnp.sum(targets.mask)
+
+    def loss_fn(p, t: _Targets):
+        values = sequence_values(state.critic_def, p, t.batch)
+        loss, metrics = value_loss(values, t.batch.old_values, t.returns, t.mask, clip=config.value_clip,
+                                   normalizer=normalizer)
+        return loss, {**metrics, "loss": jax.lax.stop_gradient(loss)}
+
+    micro = jax.tree.map(lambda x: split_rows(x, config.microbatches), targets)
+    grads, metrics = _accumulate(loss_fn, params, micro)
+    params, opt_state, apply_metrics = _apply(state.critic_tx, params, opt_state, grads)
+    return params, opt_state, {**metrics, **apply_metrics}
+
+
+def _targets(batch: RolloutBatch, config: PPOConfig) -> tuple[_Targets, dict[str, jax.Array]]:
+    m = batch.response_mask.astype(jnp.float32)
+    token_rewards = outcome_rewards(batch.rewards, m)
+    stats = {}
+    if config.kl.enabled and config.kl.where == "reward":
+        kl = kl_estimate(batch.logp_old, batch.logp_ref, config.kl.kind) * m
+        token_rewards = token_rewards - config.kl.coef * kl
+        stats["kl_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(m), 1.0)
+    lam_policy = length_adaptive_lambda(m, config.adaptive_alpha) if config.lam_policy == "adaptive" \
+        else config.lam_policy
+    advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy)
+    _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic)
+    if config.whiten_advantages:
+        advantages = whiten(advantages, m)
+    weights = mismatch_weights(batch.logp_old, batch.logp_infer, m, config.mismatch)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    masked_mean = lambda x: jnp.sum(x * m) / n  # noqa: E731
+    residual_var = masked_mean(jnp.square(returns - batch.old_values - masked_mean(returns - batch.old_values)))
+    returns_var = masked_mean(jnp.square(returns - masked_mean(returns)))
+    stats.update({
+        "reward_mean": jnp.mean(batch.rewards.astype(jnp.float32)),
+        "response_length_mean": jnp.mean(jnp.sum(m, axis=1)),
+        "advantage_mean": masked_mean(advantages),
+        "advantage_std": jnp.sqrt(masked_mean(jnp.square(advantages - masked_mean(advantages)))),
+        "return_mean": masked_mean(returns),
+        "value_mean": masked_mean(batch.old_values),
+        "value_explained_variance": 1.0 - residual_var / jnp.maximum(returns_var, 1e-8),
+        **mismatch_metrics(batch.logp_old, batch.logp_infer, m),
+    })
+    return _Targets(batch=batch, mask=m, advantages=advantages, returns=returns, weights=weights), stats
+
+
+def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig) -> tuple[PPOState, dict[str, jax.Array]]:
+    """One PPO iteration on a scored batch (see the module docstring). Metrics are averaged over
+    the epochs x mini-batches updates (maxima kept): "policy/*", "critic/*", and batch stats."""
+    if batch.logp_old is None or batch.old_values is None:
+        raise ValueError("ppo_step needs batch.logp_old and batch.old_values: run score_batch first")
+    if config.kl.enabled and batch.logp_ref is None:
+        raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: run reference_logprobs")
+    config.check_batch_size(batch.tokens.shape[0])
+    targets, stats = _targets(batch, config)
+    minibatches = jax.tree.map(lambda x: split_rows(x, config.minibatches), targets)
+    train_policy = state.step >= config.value_warmup_steps
+
+    def update(carry, mb: _Targets):
+        policy, policy_opt, critic, critic_opt = carry
+        policy_branch = lambda: _policy_update(state, policy, policy_opt, mb, config)  # noqa: E731
+        skipped = jax.tree.map(jnp.zeros_like, jax.eval_shape(policy_branch)[2])
+        policy, policy_opt, policy_metrics = jax.lax.cond(
+            train_policy, policy_branch, lambda: (policy, policy_opt, skipped))
+        critic, critic_opt, critic_metrics = _critic_update(state, critic, critic_opt, mb, config)
+        metrics = {**{f"policy/{k}": v for k, v in policy_metrics.items()},
+                   **{f"critic/{k}": v for k, v in critic_metrics.items()}}
+        return (policy, policy_opt, critic, critic_opt), metrics
+
+    def epoch(carry, _):
+        return jax.lax.scan(update, carry, minibatches)
+
+    carry = (state.policy, state.policy_opt, state.critic, state.critic_opt)
+    (policy, policy_opt, critic, critic_opt), per_update = jax.lax.scan(epoch, carry, None, length=config.epochs)
+    metrics = {name: jnp.max(v) if name.endswith("_max") else jnp.mean(v) for name, v in per_update.items()}
+    metrics.update(stats)
+    metrics["policy/trained"] = train_policy.astype(jnp.float32)
+    new_state = state.replace(step=state.step + 1, policy=policy, policy_opt=policy_opt, critic=critic,
+                              critic_opt=critic_opt)
+    return new_state, metrics

@@ -1,0 +1,92 @@
+"""Logical-axis sharding: the one table that maps the names on parameters and activations onto
+mesh axes, and the NamedShardings it gives for parameters, optimizer state and batches.
+
+Parameters carry `logical_axes` metadata (see opd_jax.models.decoder) and batches the "batch"
+axis; XLA propagates the rest through the activations. (A constraint on the residual stream made
+XLA's SPMD partitioner rematerialise the embedding gradient, so activations are left to it.) A
+dimension whose size the mesh axes do not divide (9 heads over tensor=2, say) is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# FSDP shards the model dimension of every weight (ZeRO-3); tensor parallelism splits heads,
+# MLP width and vocabulary (Megatron); batches split over both data-parallel axes.
+DEFAULT_RULES: LogicalRules = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+
+def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                 rules: LogicalRules = DEFAULT_RULES) -> PartitionSpec:
+    """PartitionSpec for an array of `shape` whose dimensions are called `names`; a dimension the
+    mapped mesh axes do not divide evenly is left unsharded."""
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match an array of shape {tuple(shape)}")
+    spec = nn.logical_to_mesh_axes(tuple(names), rules)
+    return PartitionSpec(*(axes if size % _axis_size(mesh, axes) == 0 else None
+                           for axes, size in zip(spec, shape)))
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Any:
+    """NamedShardings for a pytree holding nnx Variables (parameters, or optimizer moments, which
+    optax builds as copies of them and so keep their logical axes) and plain arrays, which are
+    replicated. The result is a prefix tree of `tree`, fit for jax.jit's in/out_shardings."""
+    def one(x):
+        if _is_variable(x):
+            names = x.get_metadata().get("logical_axes")
+            if names is not None:
+                return NamedSharding(mesh, logical_spec(names, x[...].shape, mesh, rules))
+        return NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def batch_shardings(batch: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Any:
+    """Every array of `batch` split along its first (sample) dimension over the "batch" axes."""
+    axes = nn.logical_to_mesh_axes(("batch",), rules)[0]
+    split = _axis_size(mesh, axes)
+
+    def one(x):
+        if x.shape[0] % split:
+            raise ValueError(f"a batch of {x.shape[0]} samples does not split over {split} data-parallel "
+                             f"shards (mesh axes {axes}); use a multiple of {split}")
+        return NamedSharding(mesh, PartitionSpec(axes, *([None] * (x.ndim - 1))))
+    return jax.tree.map(one, batch)
+
+
+def shard(tree: Any, shardings: Any) -> Any:
+    """Place `tree` (host or device arrays, identical on every process) by `shardings` (a prefix
+    tree, as from tree_shardings). Works across processes: each one fills its own shards."""
+    def place(x, sharding):
+        host = jax.device_get(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.tree.map(lambda s, x: jax.tree.map(lambda leaf: place(leaf, s), x), shardings, tree,
+                        is_leaf=lambda s: isinstance(s, NamedSharding))
