@@ -239,7 +239,7 @@ def _accumulate(loss_fn, params: nnx.State, micro: _Targets) -> tuple[Any, dict[
 def _apply(tx: optax.GradientTransformation, params: nnx.State, opt_state: Any, grads: Any
            ) -> tuple[nnx.State, Any, dict[str, jax.Array]]:
     """One optimizer update, skipped (state kept) when any gradient is NaN/inf."""
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)

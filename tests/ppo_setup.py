@@ -1,0 +1,65 @@
+"""A tiny policy/critic pair and a ragged rollout batch for the PPO-step and sharding tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, RolloutBatch, make_optimizer, score_batch
+from opd_jax.models import Decoder, ModelConfig, ValueModel
+
+# every sharded dimension divides by 2 and 4 (embed over fsdp, heads/mlp/vocab over tensor)
+TINY = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+
+
+def tiny_models(config=TINY, compute_dtype=None):
+    policy = Decoder(config, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    critic = ValueModel.from_policy(policy, head_init="small", key=jax.random.key(1), scale=0.3)
+    return policy, critic
+
+
+def make_state(policy_tx, critic_tx, compute_dtype=None):
+    policy, critic = tiny_models(compute_dtype=compute_dtype)
+    return PPOState.create(policy, critic, policy_tx, critic_tx)
+
+
+def rollout_batch(seed=0, B=16, T=12, prompt=4, vocab=TINY.vocab_size):
+    """Prompts of `prompt` tokens, responses of ragged length (one empty), right padding; the
+    engine's logprobs are filled in later from θ_old plus noise (see scored_batch)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    attn = np.zeros((B, T), np.int32)
+    resp = np.zeros((B, T), np.float32)
+    for i in range(B):
+        end = prompt if i == 1 else int(rng.integers(prompt + 1, T + 1))
+        attn[i, :end] = 1
+        resp[i, prompt:end] = 1
+    tokens[attn == 0] = 0
+    return RolloutBatch(tokens=jnp.asarray(tokens), attention_mask=jnp.asarray(attn),
+                        response_mask=jnp.asarray(resp), logp_infer=jnp.zeros((B, T), jnp.float32),
+                        rewards=jnp.asarray(rng.normal(size=B).astype(np.float32)))
+
+
+def scored_batch(state, seed=0, B=16, T=12, noise=0.4):
+    """A batch scored under the state's θ_old, with engine logprobs = θ_old + N(0, noise²) so some
+    tokens fall outside the IcePop band."""
+    batch = score_batch(state, rollout_batch(seed, B, T))
+    rng = np.random.default_rng(seed + 1)
+    noisy = batch.logp_old + jnp.asarray(rng.normal(scale=noise, size=(B, T)).astype(np.float32))
+    return batch.replace(logp_infer=jnp.minimum(noisy, 0.0) * batch.response_mask)
+
+
+# the step every sharding test runs: two mini-batches, Adam behind clipping
+STEP_CONFIG = PPOConfig(minibatches=2, entropy_coef=0.01)
+
+
+def step_optimizer():
+    return make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0))
+
+
+def assert_updates_close(new, ref, old, rtol=1e-3):
+    """Compare the parameter updates (new − old), which are what the step computes."""
+    for n, r, o in zip(jax.tree.leaves(new), jax.tree.leaves(ref), jax.tree.leaves(old)):
+        du, dr = np.asarray(n) - np.asarray(o), np.asarray(r) - np.asarray(o)
+        np.testing.assert_allclose(du, dr, rtol=rtol, atol=rtol * max(np.abs(dr).max(), 1e-7))

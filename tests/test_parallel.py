@@ -1,0 +1,154 @@
+"""Sharding on 8 simulated CPU devices: the mesh from a config, parameters and optimizer state
+really split by the logical-axis rules, and the sharded step equal to the unsharded one, in one
+process and in two processes on loopback."""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from ppo_setup import STEP_CONFIG, assert_updates_close, make_state, scored_batch, step_optimizer
+
+from opd_jax.core import ppo_step
+from opd_jax.models import ModelConfig
+from opd_jax.parallel import (
+    MeshConfig,
+    MeshError,
+    batch_shardings,
+    logical_spec,
+    make_mesh,
+    shard,
+    sharded_step,
+    tree_shardings,
+)
+
+# what each logical axis must be split over, written out independently of DEFAULT_RULES
+EXPECTED_AXES = {"embed": ("fsdp",), "vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
+                 "mlp": ("tensor",)}
+
+
+def test_mesh_shapes_from_config():
+    assert MeshConfig().shape(8) == (8, 1, 1)
+    assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == (2, 2, 2)
+    assert MeshConfig(data=-1, fsdp=4).shape(8) == (2, 4, 1)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2} and mesh.devices.size == 8
+    with pytest.raises(MeshError, match=r"mesh \(data=-1, fsdp=3, tensor=1\) does not divide 8 devices"):
+        MeshConfig(data=-1, fsdp=3).shape(8)
+    with pytest.raises(MeshError, match=r"needs 12 devices but 8 are available"):
+        make_mesh(MeshConfig(data=2, fsdp=2, tensor=3))
+    with pytest.raises(MeshError, match="only one mesh axis may be -1"):
+        MeshConfig(data=-1, fsdp=-1).shape(8)
+    with pytest.raises(MeshError, match="positive or -1"):
+        MeshConfig(data=0).shape(8)
+
+
+def test_indivisible_dimensions_stay_replicated():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    # SmolLM2-135M: 9 heads, 3 KV heads, hidden 576: heads cannot split over tensor=2
+    assert logical_spec(("layers", "embed", "heads", "head_dim"), (30, 576, 9, 64), mesh) == \
+        jax.P(None, "fsdp", None, None)
+    assert logical_spec(("vocab", "embed"), (49152, 576), mesh) == jax.P("tensor", "fsdp")
+    with pytest.raises(ValueError, match="do not match an array of shape"):
+        logical_spec(("vocab",), (4, 4), mesh)
+    with pytest.raises(ValueError, match="a batch of 6 samples does not split over 4 data-parallel shards"):
+        batch_shardings({"x": np.zeros((6, 3))}, mesh)
+
+
+@pytest.fixture(scope="module")
+def unsharded():
+    state = make_state(step_optimizer(), step_optimizer())
+    batch = scored_batch(state)
+    new, metrics = jax.jit(functools.partial(ppo_step, config=STEP_CONFIG))(state, batch)
+    return state, batch, new, metrics
+
+
+def expected_shard_shape(var, mesh):
+    shape = list(var[...].shape)
+    for i, name in enumerate(var.get_metadata()["logical_axes"]):
+        for axis in EXPECTED_AXES.get(name, ()):
+            if shape[i] % mesh.shape[axis] == 0:
+                shape[i] //= mesh.shape[axis]
+    return tuple(shape)
+
+
+def check_really_sharded(tree, mesh):
+    """Every parameter-shaped leaf's local shard has the shape the rules promise; returns how many
+    leaves are actually split."""
+    split = 0
+    for var in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        if not isinstance(var, nnx.Variable):
+            continue
+        want = expected_shard_shape(var, mesh)
+        shards = var[...].addressable_shards
+        assert len(shards) == 8 and all(s.data.shape == want for s in shards), (var.get_metadata(), want)
+        split += want != var[...].shape
+    return split
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_step_equals_unsharded(unsharded, mesh_shape):
+    state, batch, ref, ref_metrics = unsharded
+    mesh = make_mesh(MeshConfig(*mesh_shape))
+    sharded_state = shard(state, tree_shardings(state, mesh))
+    sharded_batch = shard(batch, batch_shardings(batch, mesh))
+    split = check_really_sharded((sharded_state.policy, sharded_state.critic, sharded_state.policy_opt,
+                                  sharded_state.critic_opt), mesh)
+    assert split > 0 if mesh_shape != (8, 1, 1) else split == 0  # pure data parallel replicates weights
+    rows = sharded_batch.tokens.addressable_shards[0].data.shape[0]
+    assert rows == 16 // (mesh_shape[0] * mesh_shape[1])
+
+    step = sharded_step(functools.partial(ppo_step, config=STEP_CONFIG), state, batch, mesh)
+    new, metrics = step(sharded_state, sharded_batch)
+    assert sharded_state.policy["backbone"]["embed"][...].is_deleted()  # donated
+    check_really_sharded((new.policy, new.critic, new.policy_opt, new.critic_opt), mesh)
+    # Adam's first steps divide by √v: compare the updates, relative to their size
+    assert_updates_close((new.policy, new.critic), (ref.policy, ref.critic), (state.policy, state.critic))
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_loopback_agree_with_one(unsharded, tmp_path):
+    state, _, ref, ref_metrics = unsharded
+    port, out = free_port(), tmp_path / "result.npz"
+    worker = Path(__file__).with_name("multihost_worker.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n\n".join(log[-3000:] for log in logs)
+    result = np.load(out)
+    leaves = [result[f"leaf{i}"] for i in range(len(jax.tree.leaves(ref.policy)) + len(jax.tree.leaves(ref.critic)))]
+    assert_updates_close(leaves, jax.tree.leaves((ref.policy, ref.critic)), jax.tree.leaves((state.policy, state.critic)))
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(float(result[f"metric:{name}"]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_rules_cover_every_parameter_name():
+    config = ModelConfig(family="qwen2", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=8, qkv_bias=True)
+    from opd_jax.models import Decoder, ValueModel
+    from opd_jax.parallel import DEFAULT_RULES
+    known = {name for name, _ in DEFAULT_RULES}
+    for module in (Decoder(config), ValueModel(config)):
+        for var in jax.tree.leaves(nnx.state(module, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+            assert set(var.get_metadata()["logical_axes"]) <= known
