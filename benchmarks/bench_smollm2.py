@@ -12,41 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import best_time, flops_per_token, machine, roofline_flops
 
 from opd_jax.models import load_model, smollm2_gguf
 from opd_jax.sampling import Sampler, SamplingParams
-
-
-def best_time(fn, repeats: int = 3) -> float:
-    fn()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def roofline_flops(dtype, n: int = 4096) -> float:
-    """Best FLOP/s of an n×n×n matmul over several sizes' worth of repeats."""
-    a = jnp.ones((n, n), dtype)
-    b = jnp.ones((n, n), dtype)
-    matmul = jax.jit(lambda a, b: a @ b)
-    return 2 * n**3 / best_time(lambda: matmul(a, b).block_until_ready(), repeats=8)
-
-
-def flops_per_token(config, context: float) -> float:
-    c = config
-    projections = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-    dense = 2 * (c.num_layers * projections + c.hidden_size * c.vocab_size)
-    attention = c.num_layers * 4 * c.num_heads * c.head_dim * context
-    return dense + attention
 
 
 def main() -> None:
@@ -63,7 +36,7 @@ def main() -> None:
     config = model.config
     forward = jax.jit(lambda m, t: m.backbone(t)[0])  # hidden states; the head is counted below
     head = jax.jit(lambda m, h: m.logits(h))
-    results = {"machine": f"{platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}",
+    results = {"machine": machine(),
                "dtype": args.dtype, "roofline_gflops": roof / 1e9, "rows": []}
     rng = np.random.default_rng(0)
     sampler = Sampler(model, max_cache_len=args.seq + args.new + 1)

@@ -222,14 +222,25 @@ def _weighted_metrics(per_micro: dict[str, jax.Array], counts: jax.Array) -> dic
     return out
 
 
-def _accumulate(loss_fn, params: nnx.State, micro: _Targets) -> tuple[Any, dict[str, jax.Array]]:
-    """Σ over the micro-batches (leading axis of `micro`) of grad(loss_fn), and their metrics."""
+def _scan(body, carry, xs, length: int):
+    """lax.scan, but a single iteration is a plain call: XLA optimises a loop body less well."""
+    if length > 1:
+        return jax.lax.scan(body, carry, xs, length=length)
+    carry, out = body(carry, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: y[None], out)
+
+
+def _accumulate(loss_fn, params: nnx.State, targets: _Targets, microbatches: int) -> tuple[Any, dict[str, jax.Array]]:
+    """Σ over `microbatches` strided slices of `targets` of grad(loss_fn), and their metrics."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
+    if microbatches == 1:
+        return grad_fn(params, targets)
 
     def body(grad_sum, one):
         grads, metrics = grad_fn(params, one)
         return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
+    micro = jax.tree.map(lambda x: split_rows(x, microbatches), targets)
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, metrics = jax.lax.scan(body, zeros, micro)
     counts = jnp.sum(micro.mask, axis=(1, 2))
@@ -270,8 +281,7 @@ def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config
         metrics["total_loss"] = jax.lax.stop_gradient(loss)
         return loss, metrics
 
-    micro = jax.tree.map(lambda x: split_rows(x, config.microbatches), targets)
-    grads, metrics = _accumulate(loss_fn, params, micro)
+    grads, metrics = _accumulate(loss_fn, params, targets, config.microbatches)
     params, opt_state, apply_metrics = _apply(state.policy_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
@@ -285,8 +295,7 @@ def _critic_update(state: PPOState, params, opt_state, targets: _Targets, config
                                    normalizer=normalizer)
         return loss, {**metrics, "loss": jax.lax.stop_gradient(loss)}
 
-    micro = jax.tree.map(lambda x: split_rows(x, config.microbatches), targets)
-    grads, metrics = _accumulate(loss_fn, params, micro)
+    grads, metrics = _accumulate(loss_fn, params, targets, config.microbatches)
     params, opt_state, apply_metrics = _apply(state.critic_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
@@ -347,10 +356,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig) -> tupl
         return (policy, policy_opt, critic, critic_opt), metrics
 
     def epoch(carry, _):
-        return jax.lax.scan(update, carry, minibatches)
+        return _scan(update, carry, minibatches, config.minibatches)
 
     carry = (state.policy, state.policy_opt, state.critic, state.critic_opt)
-    (policy, policy_opt, critic, critic_opt), per_update = jax.lax.scan(epoch, carry, None, length=config.epochs)
+    (policy, policy_opt, critic, critic_opt), per_update = _scan(epoch, carry, None, config.epochs)
     metrics = {name: jnp.max(v) if name.endswith("_max") else jnp.mean(v) for name, v in per_update.items()}
     metrics.update(stats)
     metrics["policy/trained"] = train_policy.astype(jnp.float32)

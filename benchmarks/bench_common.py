@@ -1,0 +1,44 @@
+"""What every benchmark shares: best-of-n timing, the machine's matmul roofline measured in the
+same run, and the model-FLOP count of a decoder forward pass."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def roofline_flops(dtype, n: int = 4096) -> float:
+    """Best FLOP/s of an n×n×n matmul over several repeats."""
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda a, b: a @ b)
+    return 2 * n**3 / best_time(lambda: matmul(a, b).block_until_ready(), repeats=8)
+
+
+def flops_per_token(config, context: float, *, head: bool = True) -> float:
+    """Forward FLOPs of one token: 2·(projection and MLP weights [+ output head]) plus causal
+    attention, 2·2·n_heads·head_dim per attended key (`context` keys on average)."""
+    c = config
+    projections = (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+                   + 3 * c.hidden_size * c.intermediate_size)
+    dense = 2 * (c.num_layers * projections + (c.hidden_size * c.vocab_size if head else 0))
+    attention = c.num_layers * 4 * c.num_heads * c.head_dim * context
+    return dense + attention
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}"

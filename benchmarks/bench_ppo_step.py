@@ -1,0 +1,103 @@
+"""Speed of the PPO step (policy + critic update) against this machine's matmul roofline, and
+side by side with Tunix's PPO losses and trainer on the same model size and batch.
+
+    python benchmarks/bench_ppo_step.py [--batch 16] [--prompt 64] [--response 192] [--tunix]
+
+The model is a ~20M-parameter Llama-family decoder (hidden 512, 6 layers, GQA 8/2 heads, vocab
+8192, tied head) for the policy, and the same backbone with a value head for the critic. Model
+FLOPs of one step: 3 × forward (forward + backward) for each of the two models, over every token
+of every epoch; the roofline is a large square matmul in the same run and dtype. `--tunix` (needs
+`pip install google-tunix`) times Tunix's PPO update on the same work: its Llama3 model of the
+same shape, its PPO policy and value loss functions, one optax AdamW update of each, jitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_common import best_time, flops_per_token, machine, roofline_flops
+from flax import nnx
+
+from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, RolloutBatch, make_optimizer, ppo_step, score_batch
+from opd_jax.models import Decoder, ModelConfig, ValueModel
+
+CONFIG = ModelConfig(family="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=6,
+                     num_heads=8, num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
+
+
+def parameter_count(module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def random_batch(batch: int, prompt: int, response: int, seed: int = 0) -> RolloutBatch:
+    rng = np.random.default_rng(seed)
+    T = prompt + response
+    tokens = rng.integers(0, CONFIG.vocab_size, (batch, T)).astype(np.int32)
+    resp = np.zeros((batch, T), np.float32)
+    resp[:, prompt:] = 1
+    return RolloutBatch(tokens=jnp.asarray(tokens), attention_mask=jnp.ones((batch, T), jnp.int32),
+                        response_mask=jnp.asarray(resp), logp_infer=jnp.asarray(-np.abs(rng.normal(size=(batch, T))) * resp,
+                                                                                 jnp.float32),
+                        rewards=jnp.asarray(rng.normal(size=batch).astype(np.float32)))
+
+
+def step_flops(batch: int, seq: int) -> float:
+    context = (seq + 1) / 2
+    per_token = 3 * (flops_per_token(CONFIG, context) + flops_per_token(CONFIG, context, head=False))
+    return per_token * batch * seq
+
+
+def time_opd_jax(args, compute_dtype) -> float:
+    policy = Decoder(CONFIG, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    critic = ValueModel.from_policy(policy, head_init="small", key=jax.random.key(1))
+    print(f"policy {parameter_count(policy) / 1e6:.1f}M parameters, critic {parameter_count(critic) / 1e6:.1f}M",
+          file=sys.stderr)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
+    state = PPOState.create(policy, critic, tx, tx)
+    batch = jax.jit(score_batch)(state, random_batch(args.batch, args.prompt, args.response))
+    step = jax.jit(functools.partial(ppo_step, config=PPOConfig(microbatches=args.microbatches)), donate_argnums=0)
+    holder = [state]
+
+    def run():
+        holder[0], metrics = step(holder[0], batch)
+        jax.block_until_ready(metrics)
+
+    return best_time(run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--response", type=int, default=192)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", help="compute dtype (parameters stay float32)")
+    parser.add_argument("--tunix", action="store_true", help="also time Tunix's PPO update on the same work")
+    args = parser.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    seq = args.prompt + args.response
+    roof = roofline_flops(dtype)
+    flops = step_flops(args.batch, seq)
+    t_ours = time_opd_jax(args, dtype)
+    result = {"machine": machine(), "dtype": args.dtype, "batch": args.batch, "seq": seq,
+              "step_gflop": flops / 1e9, "opd_jax_step_s": t_ours}
+    if args.tunix:
+        from bench_tunix_ppo import time_tunix
+        result["tunix_step_s"] = time_tunix(CONFIG, args.batch, args.prompt, args.response, dtype)
+    roof = max(roof, roofline_flops(dtype))  # best of start and end: every fraction is a lower bound
+    result["roofline_gflops"] = roof / 1e9
+    result["opd_jax_roofline_fraction"] = flops / t_ours / roof
+    if args.tunix:
+        result["tunix_roofline_fraction"] = flops / result["tunix_step_s"] / roof
+        result["opd_jax_speedup_over_tunix"] = result["tunix_step_s"] / t_ours
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
