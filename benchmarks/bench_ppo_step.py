@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,11 @@ def time_opd_jax(args, compute_dtype) -> float:
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
     state = PPOState.create(policy, critic, tx, tx)
     batch = jax.jit(score_batch)(state, random_batch(args.batch, args.prompt, args.response))
-    step = jax.jit(functools.partial(ppo_step, config=PPOConfig(microbatches=args.microbatches)), donate_argnums=0)
+    config = PPOConfig(microbatches=args.microbatches, layer_unroll=args.unroll)
+    step = jax.jit(functools.partial(ppo_step, config=config), donate_argnums=0)
+    start = time.perf_counter()
+    step.lower(state, batch).compile()
+    print(f"compiled the step in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     holder = [state]
 
     def run():
@@ -77,10 +82,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=192)
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--unroll", type=int, default=0, help="layers per scan iteration (0: all)")
     parser.add_argument("--dtype", default="float32", help="compute dtype (parameters stay float32)")
     parser.add_argument("--tunix", action="store_true", help="also time Tunix's PPO update on the same work")
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
+    args.unroll = args.unroll or True
     seq = args.prompt + args.response
     roof = roofline_flops(dtype)
     flops = step_flops(args.batch, seq)

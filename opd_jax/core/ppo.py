@@ -81,6 +81,9 @@ class PPOConfig:
     minibatches: int = 1
     microbatches: int = 1
     value_warmup_steps: int = 0
+    # Layers per scan iteration in the training forward/backward (True: all of them). Unrolled
+    # compiles slower and trains faster: 8.7 s vs 10.4 s per step on the 21M benchmark, CPU.
+    layer_unroll: int | bool = True
 
     def __post_init__(self):
         for name in ("epochs", "minibatches", "microbatches"):
@@ -140,17 +143,18 @@ class PPOState:
 # --- forward passes -------------------------------------------------------------------------
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                      with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                      with_entropy: bool = False, unroll: int | bool = 1) -> tuple[jax.Array, jax.Array | None]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params)."""
     logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask)
+                                         attention_mask=batch.attention_mask, unroll=unroll)
     return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
 
 
-def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch) -> jax.Array:
+def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
+                    unroll: int | bool = 1) -> jax.Array:
     """V(tokens[:t]) at each position t: the critic's output on the prefix before token t."""
     values = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask)
+                                         attention_mask=batch.attention_mask, unroll=unroll)
     return shift_right(values)
 
 
@@ -265,7 +269,8 @@ def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config
     use_kl_loss = config.kl.enabled and config.kl.where == "loss"
 
     def loss_fn(p, t: _Targets):
-        logp, entropy = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True)
+        logp, entropy = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
+                                          unroll=config.layer_unroll)
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=config.eps_low,
                                     eps_high=config.eps_high, dual_clip=config.dual_clip, weights=t.weights,
                                     agg=config.loss_agg, normalizer=normalizer)
@@ -290,7 +295,7 @@ def _critic_update(state: PPOState, params, opt_state, targets: _Targets, config
     normalizer = jnp.sum(targets.mask)
 
     def loss_fn(p, t: _Targets):
-        values = sequence_values(state.critic_def, p, t.batch)
+        values = sequence_values(state.critic_def, p, t.batch, unroll=config.layer_unroll)
         loss, metrics = value_loss(values, t.batch.old_values, t.returns, t.mask, clip=config.value_clip,
                                    normalizer=normalizer)
         return loss, {**metrics, "loss": jax.lax.stop_gradient(loss)}
