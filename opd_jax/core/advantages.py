@@ -16,7 +16,8 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1
     where next(t) is the next token with mask 1 (masked tokens are skipped, so a masked hole in a
     multi-turn response does not end the episode) and V = A = 0 after the last one. rewards,
     values, mask: [B, T]; lam: a scalar or one λ per row [B] (see `length_adaptive_lambda`);
-    outputs are zero where mask is 0. One reverse `lax.scan` over T.
+    outputs are zero where mask is 0. One reverse `lax.scan` over T (2–4× faster than an
+    associative scan on CPU, see BENCHMARKS.md).
     """
     chex.assert_rank([rewards, values, mask], 2)
     chex.assert_equal_shape([rewards, values, mask])
