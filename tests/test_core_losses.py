@@ -299,3 +299,13 @@ def test_property_unit_ratio_and_weights_give_minus_mean_advantage(seed, agg):
         ref = -np.mean(rows) if rows else 0.0
     np.testing.assert_allclose(float(loss), ref, rtol=1e-5, atol=1e-6)
     assert float(metrics["clip_frac_low"]) == float(metrics["clip_frac_high"]) == 0.0
+
+
+def test_mismatched_shapes_name_the_arrays():
+    z = jnp.zeros((2, 3))
+    with pytest.raises(AssertionError, match="policy_loss: logp, logp_old, advantages and mask must share"):
+        policy_loss(z, z, jnp.zeros((2, 4)), z)
+    with pytest.raises(AssertionError, match="value_loss: values, old_values, returns and mask must share"):
+        value_loss(z, z, z, jnp.zeros((3, 3)))
+    with pytest.raises(AssertionError, match="gae: rewards, values and mask must share"):
+        gae(z, jnp.zeros((2, 2)), z)

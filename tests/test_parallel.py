@@ -152,3 +152,15 @@ def test_rules_cover_every_parameter_name():
     for module in (Decoder(config), ValueModel(config)):
         for var in jax.tree.leaves(nnx.state(module, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
             assert set(var.get_metadata()["logical_axes"]) <= known
+
+
+def test_sharded_scoring_equals_unsharded(unsharded):
+    from opd_jax.core import score_batch
+    from opd_jax.parallel import sharded_scoring
+    state, batch, _, _ = unsharded
+    mesh = make_mesh(MeshConfig(2, 2, 2))
+    scored = sharded_scoring(score_batch, state, batch, mesh)(shard(state, tree_shardings(state, mesh)),
+                                                              shard(batch, batch_shardings(batch, mesh)))
+    assert scored.logp_old.sharding.spec == jax.P(("data", "fsdp"), None)
+    np.testing.assert_allclose(np.asarray(scored.logp_old), np.asarray(batch.logp_old), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(scored.old_values), np.asarray(batch.old_values), atol=2e-5)

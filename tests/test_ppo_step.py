@@ -222,6 +222,7 @@ def test_nonfinite_gradients_skip_the_update_and_are_reported():
     batch = scored_batch(state)
     poisoned = batch.replace(rewards=batch.rewards.at[3].set(jnp.nan))
     new, metrics = jax.jit(functools.partial(ppo_step, config=PPOConfig()))(state, poisoned)
+    assert float(metrics["nonfinite_inputs"]) == 1.0
     assert float(metrics["policy/skipped_nonfinite"]) == 1.0 and float(metrics["critic/skipped_nonfinite"]) == 1.0
     for a, b in zip(jax.tree.leaves((new.policy, new.critic)), jax.tree.leaves((state.policy, state.critic))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -264,5 +265,5 @@ def test_bad_configs_and_shapes_are_named():
         ppo_step(state, rollout_batch(), config=PPOConfig())
     with pytest.raises(ValueError, match="logp_ref is missing"):
         ppo_step(state, batch, config=PPOConfig(kl=KLConfig(coef=0.1)))
-    with pytest.raises(AssertionError):  # chex: shapes of logp / mask / advantages disagree
+    with pytest.raises(AssertionError, match=r"\(16, 11\).*logp_old, logp_infer and mask must share one"):
         ppo_step(state, batch.replace(logp_old=batch.logp_old[:, :-1]), config=PPOConfig())

@@ -20,7 +20,8 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1
     associative scan on CPU, see BENCHMARKS.md).
     """
     chex.assert_rank([rewards, values, mask], 2)
-    chex.assert_equal_shape([rewards, values, mask])
+    chex.assert_equal_shape([rewards, values, mask],
+                            custom_message="gae: rewards, values and mask must share one [B, T] shape")
     m = mask.astype(jnp.float32)
     r, v = rewards.astype(jnp.float32), values.astype(jnp.float32)
     lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), rewards.shape[:1])
@@ -78,7 +79,8 @@ def outcome_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
 
 def whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
     """(x − mean) / (std + eps) over the masked entries of the whole batch; 0 where mask is 0."""
-    chex.assert_equal_shape([x, mask])
+    chex.assert_equal_shape([x, mask],
+                            custom_message="whiten: x and mask must share one shape")
     m = mask.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(m), 1.0)
     mean = jnp.sum(x * m) / n

@@ -63,7 +63,8 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
     approx KL of θ_old to θ, ratio mean/max, fraction of masked-in tokens with weight 0.
     """
     chex.assert_rank([logp, logp_old, advantages, mask], 2)
-    chex.assert_equal_shape([logp, logp_old, advantages, mask])
+    chex.assert_equal_shape([logp, logp_old, advantages, mask],
+                            custom_message="policy_loss: logp, logp_old, advantages and mask must share one [B, T] shape")
     m = mask.astype(jnp.float32)
     w = jnp.ones_like(m) if weights is None else jax.lax.stop_gradient(weights.astype(jnp.float32))
     A = jax.lax.stop_gradient(advantages.astype(jnp.float32))
@@ -96,7 +97,8 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
         l = 0.5 · max((V − R)², (clip(V, V_old − ε_v, V_old + ε_v) − R)²)     (clip=None: 0.5·(V − R)²)
     """
     chex.assert_rank([values, old_values, returns, mask], 2)
-    chex.assert_equal_shape([values, old_values, returns, mask])
+    chex.assert_equal_shape([values, old_values, returns, mask],
+                            custom_message="value_loss: values, old_values, returns and mask must share one [B, T] shape")
     m = mask.astype(jnp.float32)
     v = values.astype(jnp.float32)
     R = jax.lax.stop_gradient(returns.astype(jnp.float32))
@@ -123,7 +125,8 @@ def kl_estimate(logp: jax.Array, logp_ref: jax.Array, kind: KLKind = "k3") -> ja
         k1 = x,   k2 = x²/2,   k3 = exp(−x) − 1 + x
         low-var = k3 with x clamped to [−20, 20] and the result to [−10, 10] (as verl's low_var_kl)
     """
-    chex.assert_equal_shape([logp, logp_ref])
+    chex.assert_equal_shape([logp, logp_ref],
+                            custom_message="kl_estimate: logp and logp_ref must share one shape")
     x = logp.astype(jnp.float32) - logp_ref.astype(jnp.float32)
     if kind == "k1":
         return x

@@ -19,7 +19,7 @@ CORRECTION_KINDS: tuple[str, ...] = CorrectionKind.__args__  # type: ignore[attr
 
 
 def _log_ratio(logp_old: jax.Array, logp_infer: jax.Array) -> jax.Array:
-    chex.assert_equal_shape([logp_old, logp_infer])
+    chex.assert_equal_shape([logp_old, logp_infer], custom_message="logp_old and logp_infer must share one shape")
     return logp_old.astype(jnp.float32) - logp_infer.astype(jnp.float32)
 
 
@@ -83,7 +83,8 @@ def mismatch_weights(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
     is 0, stop-gradient. Sequence statistics are taken over each row's masked tokens in log
     space, so a long response's product of ratios never overflows."""
     chex.assert_rank([logp_old, logp_infer, mask], 2)
-    chex.assert_equal_shape([logp_old, logp_infer, mask])
+    chex.assert_equal_shape([logp_old, logp_infer, mask],
+                            custom_message="mismatch_weights: logp_old, logp_infer and mask must share one [B, T] shape")
     m = mask.astype(jnp.float32)
     log_k = _log_ratio(logp_old, logp_infer) * m
     k = jnp.exp(log_k)
@@ -113,7 +114,8 @@ def mismatch_metrics(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
     """How far the engine is from the trainer on these tokens, masked means over the batch:
     k3 estimate of KL(engine ‖ trainer) = mean(k − 1 − log k), mean |logp_old − logp_infer|,
     max k, and the fraction of tokens outside GLM-5's IcePop band [1/2, 2]."""
-    chex.assert_equal_shape([logp_old, logp_infer, mask])
+    chex.assert_equal_shape([logp_old, logp_infer, mask],
+                            custom_message="mismatch_metrics: logp_old, logp_infer and mask must share one shape")
     m = mask.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(m), 1.0)
     log_k = _log_ratio(logp_old, logp_infer) * m

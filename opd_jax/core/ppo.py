@@ -324,7 +324,11 @@ def _targets(batch: RolloutBatch, config: PPOConfig) -> tuple[_Targets, dict[str
     masked_mean = lambda x: jnp.sum(x * m) / n  # noqa: E731
     residual_var = masked_mean(jnp.square(returns - batch.old_values - masked_mean(returns - batch.old_values)))
     returns_var = masked_mean(jnp.square(returns - masked_mean(returns)))
+    token_inputs = [x for x in (batch.logp_infer, batch.logp_old, batch.old_values, batch.logp_ref) if x is not None]
     stats.update({
+        # validate_batch refuses these on the host; this count catches what slips past it
+        "nonfinite_inputs": jnp.sum(~jnp.isfinite(batch.rewards)).astype(jnp.float32)
+        + sum(jnp.sum((m > 0) & ~jnp.isfinite(x)) for x in token_inputs).astype(jnp.float32),
         "reward_mean": jnp.mean(batch.rewards.astype(jnp.float32)),
         "response_length_mean": jnp.mean(jnp.sum(m, axis=1)),
         "advantage_mean": masked_mean(advantages),

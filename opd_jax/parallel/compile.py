@@ -24,22 +24,27 @@ def sharded_step(step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch:
     batch_sh = batch_shardings(batch, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def traced(state, batch):
-        with nn.logical_axis_rules(rules):
-            return step(state, batch)
-
-    jitted = jax.jit(traced, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                      donate_argnums=(0,) if donate else ())
+    return _under(jitted, mesh, rules)
 
-    @functools.wraps(step)
-    def call(state, batch):
-        with jax.set_mesh(mesh):
-            return jitted(state, batch)
 
-    call.lower = lambda state, batch: _lower(jitted, mesh, state, batch)  # type: ignore[attr-defined]
+def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, mesh: Mesh,
+                    rules: LogicalRules = DEFAULT_RULES) -> Callable[[Any, Any], Any]:
+    """`score` ((state, batch) -> batch, e.g. opd_jax.core.score_batch) jitted over the mesh: the
+    state sharded as for the step (and not donated: the step needs it next), the batch split over
+    the data axes on the way in and out."""
+    state_sh = tree_shardings(state, mesh, rules)
+    batch_sh = batch_shardings(jax.eval_shape(score, state, batch), mesh, rules)
+    jitted = jax.jit(score, in_shardings=(state_sh, batch_shardings(batch, mesh, rules)), out_shardings=batch_sh)
+    return _under(jitted, mesh, rules)
+
+
+def _under(jitted, mesh: Mesh, rules: LogicalRules):
+    """Call (and so trace) `jitted` with the mesh set and the logical rules in force, so any
+    `flax.linen.with_logical_constraint` inside a user's step resolves against them."""
+    @functools.wraps(jitted)
+    def call(*args):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            return jitted(*args)
     return call
-
-
-def _lower(jitted, mesh: Mesh, state: Any, batch: Any):
-    with jax.set_mesh(mesh):
-        return jitted.lower(state, batch)
