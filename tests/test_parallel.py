@@ -44,9 +44,9 @@ def test_mesh_shapes_from_config():
     with pytest.raises(MeshError, match=r"needs 12 devices but 8 are available"):
         make_mesh(MeshConfig(data=2, fsdp=2, tensor=3))
     with pytest.raises(MeshError, match="only one mesh axis may be -1"):
-        MeshConfig(data=-1, fsdp=-1).shape(8)
+        MeshConfig(data=-1, fsdp=-1)
     with pytest.raises(MeshError, match="positive or -1"):
-        MeshConfig(data=0).shape(8)
+        MeshConfig(data=0)
 
 
 def test_indivisible_dimensions_stay_replicated():

@@ -26,12 +26,15 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
 
-    def shape(self, num_devices: int) -> tuple[int, ...]:
+    def __post_init__(self):
         sizes = [self.data, self.fsdp, self.tensor]
-        if any(s == 0 or s < -1 for s in sizes):
+        if any(not isinstance(s, int) or s == 0 or s < -1 for s in sizes):
             raise MeshError(f"mesh axis sizes must be positive or -1, got {self.describe(sizes)}")
         if sizes.count(-1) > 1:
             raise MeshError(f"only one mesh axis may be -1, got {self.describe(sizes)}")
+
+    def shape(self, num_devices: int) -> tuple[int, ...]:
+        sizes = [self.data, self.fsdp, self.tensor]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:

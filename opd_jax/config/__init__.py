@@ -1,0 +1,17 @@
+"""Typed, validated training configs: YAML plus dotted overrides, errors that name the key."""
+
+from opd_jax.config.load import ConfigError, load_config, save_config, to_plain
+from opd_jax.config.schema import (
+    AlgorithmSection,
+    CheckpointSection,
+    DataSection,
+    FreshModel,
+    LoggingSection,
+    ModelSection,
+    RolloutSection,
+    SourceSpec,
+    TrainConfig,
+)
+
+__all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "FreshModel", "LoggingSection",
+           "ModelSection", "RolloutSection", "SourceSpec", "TrainConfig", "load_config", "save_config", "to_plain"]

@@ -1,0 +1,70 @@
+"""Config files in, a validated TrainConfig out: YAML and dotted `key=value` overrides merged by
+OmegaConf, then checked by pydantic against the schema; every error names the dotted key."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from opd_jax.config.schema import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file or the dotted key."""
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return f"{key}: unknown key"
+    got = error.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{key}: {error['msg']}{shown}"
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The TrainConfig from a YAML file (or the defaults) with `overrides` such as
+    ["algorithm.ppo.eps_high=0.3", "rollout.samples_per_prompt=8"] applied on top."""
+    try:
+        base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
+        if not isinstance(base, dict) and not OmegaConf.is_dict(base):
+            raise ConfigError(f"{path}: a config file must hold a mapping at the top level")
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        raw = OmegaConf.to_container(merged, resolve=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ConfigError(f"{path or 'overrides'}: {e}") from None
+    try:
+        return TrainConfig.model_validate(raw)
+    except pydantic.ValidationError as e:
+        problems = "\n  ".join(_describe(err) for err in e.errors())
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n  {problems}") from None
+
+
+def to_plain(config: TrainConfig) -> dict[str, Any]:
+    """The config as plain YAML-able data (dataclass sections included)."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, pydantic.BaseModel):
+            return {k: plain(getattr(x, k)) for k in type(x).model_fields}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+    return plain(config)
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    """Write the resolved config; load_config(path) gives it back."""
+    Path(path).write_text(yaml.safe_dump(to_plain(config), sort_keys=False))

@@ -1,0 +1,128 @@
+"""The typed training config, nested per concern. Every section forbids unknown keys; the core's
+own frozen dataclasses (PPOConfig, OptimizerConfig, MeshConfig, ...) are used as-is, so a knob
+is defined, defaulted and checked in exactly one place."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from opd_jax.core import OptimizerConfig, PPOConfig
+from opd_jax.parallel import DistributedConfig, MeshConfig
+
+DType = Literal["float32", "bfloat16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FreshModel(Section):
+    """A model initialised from scratch (for the synthetic domains), with the built-in
+    character tokenizer; vocab_size comes from that tokenizer."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    hidden_size: int = Field(128, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    head_dim: int = Field(32, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+    seed: int = 0
+
+
+class ModelSection(Section):
+    """Exactly one of `path` (an HF directory, a .gguf file or a known name such as
+    'smollm2-135m-instruct') and `fresh`."""
+
+    path: str | None = None
+    fresh: FreshModel | None = None
+    dtype: DType = "float32"
+    compute_dtype: DType | None = None
+    critic_head_init: Literal["zero", "small"] = "small"
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.fresh is None):
+            raise ValueError("set exactly one of model.path and model.fresh")
+        return self
+
+
+class RolloutSection(Section):
+    """How samples are drawn. `dtype` is the engine's precision, which may differ from the
+    trainer's so the train/inference mismatch is real. `truncated`: what a response cut at
+    max_new_tokens gets: kept as is, masked out of the loss, or its reward set to
+    `truncation_penalty`."""
+
+    engine: Literal["embedded"] = "embedded"
+    samples_per_prompt: int = Field(4, gt=0)
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    dtype: DType = "float32"
+    truncated: Literal["keep", "mask", "penalize"] = "keep"
+    truncation_penalty: float = 0.0
+
+
+class AlgorithmSection(Section):
+    """`advantage`: GAE from the critic (the GLM-5.2 recipe) or the GRPO group baseline."""
+
+    advantage: Literal["gae", "grpo"] = "gae"
+    grpo_normalize_std: bool = True
+    ppo: PPOConfig = PPOConfig()
+    policy_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6)
+    critic_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=5e-6)
+
+
+class SourceSpec(Section):
+    """One prompt source: a built-in procedural domain or a JSONL file of {prompt or messages,
+    answer, domain}. `weight` is its share of the training mix."""
+
+    builtin: str | None = None
+    jsonl: str | None = None
+    weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if (self.builtin is None) == (self.jsonl is None):
+            raise ValueError("a data source sets exactly one of builtin and jsonl")
+        return self
+
+
+class DataSection(Section):
+    train: list[SourceSpec] = [SourceSpec(builtin="addition")]
+    prompts_per_step: int = Field(8, gt=0)
+    eval_prompts_per_domain: int = Field(32, gt=0)
+    chat_template: bool = False
+    reward_fn: str | None = Field(None, description="'module:function' overriding the domain verifiers")
+    seed: int = 0
+
+
+class CheckpointSection(Section):
+    every: int = Field(50, gt=0)
+    keep: int = Field(3, gt=0)
+    export_hf: bool = True
+
+
+class LoggingSection(Section):
+    run_dir: str = "runs/default"
+    eval_every: int = Field(10, gt=0)
+    tensorboard: bool = True
+    progress_bar: bool = True
+    plot: bool = True
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, gt=0)
+    seed: int = 0
+    model: ModelSection = ModelSection(fresh=FreshModel())
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
