@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd_jax.core import OptimizerConfig, PPOConfig
+from opd_jax.data.domains import get_domain
 from opd_jax.parallel import DistributedConfig, MeshConfig
 
 DType = Literal["float32", "bfloat16"]
@@ -78,17 +79,24 @@ class AlgorithmSection(Section):
 
 
 class SourceSpec(Section):
-    """One prompt source: a built-in procedural domain or a JSONL file of {prompt or messages,
-    answer, domain}. `weight` is its share of the training mix."""
+    """One prompt source: a built-in procedural domain (with its `params`, e.g. {digits: 3}) or a
+    JSONL file of {prompt or messages, answer, domain} (held-out prompts in `eval_jsonl`).
+    `weight` is its share of the training mix."""
 
     builtin: str | None = None
+    params: dict[str, int | float | str] = {}
     jsonl: str | None = None
+    eval_jsonl: str | None = None
     weight: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _one_kind(self):
         if (self.builtin is None) == (self.jsonl is None):
             raise ValueError("a data source sets exactly one of builtin and jsonl")
+        if self.builtin is not None:
+            get_domain(self.builtin).sampler(**self.params)  # unknown domain or parameter: named here
+        elif self.params:
+            raise ValueError("params apply to built-in domains only")
         return self
 
 

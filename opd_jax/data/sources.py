@@ -1,0 +1,88 @@
+"""Prompt sources: JSONL files of {prompt or messages, answer, domain} and the built-in
+procedural domains, as random-access sequences a grain pipeline can index, shuffle and shard."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from opd_jax.data.domains import Example, get_domain
+
+SPLITS = {"train": 0, "eval": 1}
+
+
+class DataError(ValueError):
+    """A prompt file that cannot be used; the message names the file and line."""
+
+
+def _message_list(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        raise DataError(f"{where}: \"messages\" must be a non-empty list of {{role, content}} strings")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def read_jsonl(path: str | Path) -> list[Example]:
+    """Every example of a JSONL prompt file. Each non-blank line is an object with "prompt" (a
+    string) or "messages" (chat turns), "answer" (string or number) and optionally "domain"
+    (default: the file's stem). A bad line raises DataError naming file:line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such prompt file")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: each line must be a JSON object")
+            if ("prompt" in record) == ("messages" in record):
+                raise DataError(f"{where}: needs exactly one of \"prompt\" and \"messages\"")
+            if "answer" not in record:
+                raise DataError(f"{where}: missing \"answer\"")
+            answer = record["answer"]
+            if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+                raise DataError(f"{where}: \"answer\" must be a string or a number")
+            prompt = record.get("prompt")
+            if prompt is not None and not isinstance(prompt, str):
+                raise DataError(f"{where}: \"prompt\" must be a string")
+            messages = _message_list(record["messages"], where) if "messages" in record else None
+            domain = record.get("domain", path.stem)
+            if not isinstance(domain, str) or not domain:
+                raise DataError(f"{where}: \"domain\" must be a non-empty string")
+            examples.append(Example(prompt=prompt, answer=str(answer), domain=domain, messages=messages,
+                                    uid=f"{path.name}:{number}"))
+    if not examples:
+        raise DataError(f"{path}: holds no examples")
+    return examples
+
+
+class ProceduralSource(Sequence):
+    """Example i of a built-in domain's stream: drawn from np.random.default_rng([seed, split, i]),
+    so any host can produce any index, and train and eval streams never share a generator."""
+
+    def __init__(self, domain: str, *, seed: int = 0, split: str = "train", size: int = 10**9,
+                 params: dict[str, Any] | None = None):
+        self.domain = get_domain(domain)
+        self.sample = self.domain.sampler(**(params or {}))
+        self.seed, self.split, self.size = seed, SPLITS[split], size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Example:
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        prompt, answer = self.sample(np.random.default_rng([self.seed, self.split, index]))
+        return Example(prompt=prompt, answer=answer, domain=self.domain.name,
+                       uid=f"{self.domain.name}/{'train' if self.split == 0 else 'eval'}/{index}")

@@ -1,0 +1,152 @@
+"""Built-in domains against independent solvers, verifiers, JSONL errors with file:line, and the
+grain prompt stream: disjoint across hosts, exactly resumable."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from opd_jax.config import load_config
+from opd_jax.data import DOMAINS, DataError, ProceduralSource, eval_prompts, read_jsonl, take, train_prompts
+from opd_jax.rewards import VERIFIERS, exact_match, load_reward_fn, numeric_match
+
+
+def solve(domain, prompt):
+    """Each domain's answer recomputed from the prompt text alone."""
+    body = prompt.split(" ", 1)[1][:-1] if " " in prompt else prompt[:-1]
+    if domain in ("addition", "multiplication"):
+        a, b = map(int, re.split(r"[+*]", prompt[:-1]))
+        return str(a + b if "+" in prompt else a * b)
+    if domain == "reverse":
+        return body[::-1]
+    if domain == "sort":
+        return " ".join(sorted(body.split()))
+    if domain == "count":
+        letter, _, s = body.split(" ")
+        return str(s.count(letter))
+    if domain == "parity":
+        return ["even", "odd"][body.count("1") % 2]
+    if domain == "max":
+        return str(max(map(int, body.split())))
+    if domain == "copy_edit":
+        s, _, edit = body.split(" ")
+        old, new = edit.split("->")
+        return s.replace(old, new)
+    if domain == "chain":
+        tokens = re.findall(r"[+\-*]|\d+", body)
+        value = int(tokens[0])
+        for op, x in zip(tokens[1::2], map(int, tokens[2::2])):
+            value = {"+": value + x, "-": value - x, "*": value * x}[op]
+        return str(value)
+    if domain == "long_count":
+        a, _, b = body.split(" ")
+        return " ".join(map(str, range(int(a), int(b) + 1)))
+    if domain == "word_problems":
+        a, b = map(int, re.findall(r"\d+", prompt))
+        return str(a + b if "more" in prompt else a - b if "away" in prompt else a * b)
+    raise AssertionError(domain)
+
+
+@pytest.mark.parametrize("name", DOMAINS)
+def test_domains_are_correct_deterministic_and_verifiable(name):
+    assert len(DOMAINS) >= 10
+    source = ProceduralSource(name, seed=3)
+    again = ProceduralSource(name, seed=3)
+    held_out = ProceduralSource(name, seed=3, split="eval")
+    verify = VERIFIERS[DOMAINS[name].verifier]
+    prompts = set()
+    for i in range(40):
+        example = source[i]
+        assert example == again[i] and example.domain == name
+        assert example.answer == solve(name, example.prompt), example
+        assert verify(example.answer, example.answer) == 1.0
+        assert verify(example.answer + "7", example.answer) == 0.0
+        prompts.add(example.prompt)
+    assert len(prompts) > 20  # not a constant stream
+    assert [held_out[i] for i in range(5)] != [source[i] for i in range(5)]
+
+
+def test_verifiers():
+    assert exact_match(" 42 \nand more", "42") == 1.0 and exact_match("420", "42") == 0.0
+    assert numeric_match("She has 1,234 apples, so the answer is 12.", "12") == 1.0
+    assert numeric_match("no number here", "12") == 0.0 and numeric_match("-3", "-3") == 1.0
+    assert load_reward_fn("opd_jax.rewards:exact_match") is exact_match
+    with pytest.raises(ValueError, match="must be given as 'module:function'"):
+        load_reward_fn("opd_jax.rewards.exact_match")
+    with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
+        load_reward_fn("no_such_module:f")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        load_reward_fn("opd_jax.rewards:nope")
+
+
+def test_jsonl_reads_prompts_messages_and_names_bad_lines(tmp_path):
+    good = tmp_path / "math.jsonl"
+    good.write_text("\n".join([
+        json.dumps({"prompt": "1+1=", "answer": 2}),
+        "",
+        json.dumps({"messages": [{"role": "user", "content": "2+2?"}], "answer": "4", "domain": "arith"}),
+    ]) + "\n")
+    examples = read_jsonl(good)
+    assert [(e.prompt, e.answer, e.domain) for e in examples] == [("1+1=", "2", "math"), (None, "4", "arith")]
+    assert examples[1].messages == ({"role": "user", "content": "2+2?"},) and examples[1].uid == "math.jsonl:3"
+    cases = {
+        '{"prompt": "x", "answer": 1}\n{"prompt": "y", answer: 2}\n': r"bad.jsonl:2: not valid JSON",
+        '{"prompt": "x"}\n': r'bad.jsonl:1: missing "answer"',
+        '{"prompt": "x", "messages": [], "answer": 1}\n': r'bad.jsonl:1: needs exactly one of "prompt" and "messages"',
+        '[1, 2]\n': r"bad.jsonl:1: each line must be a JSON object",
+        '{"messages": [{"role": "user"}], "answer": 1}\n': r'bad.jsonl:1: "messages" must be a non-empty list',
+        '{"prompt": "x", "answer": true}\n': r'bad.jsonl:1: "answer" must be a string or a number',
+        '\n\n': r"bad.jsonl: holds no examples",
+    }
+    for text, message in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(DataError, match=message):
+            read_jsonl(bad)
+    with pytest.raises(DataError, match="no such prompt file"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def config_with(tmp_path):
+    path = tmp_path / "extra.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in range(30)))
+    return load_config(None, [f"data.train=[{{builtin: addition}}, {{builtin: sort, weight: 2}}, {{jsonl: {path}}}]"])
+
+
+def test_hosts_get_disjoint_prompts_covering_the_stream(tmp_path):
+    data = config_with(tmp_path).data
+    whole = [e.uid for e in take(iter(train_prompts(data)), 60)]
+    host0 = [e.uid for e in take(iter(train_prompts(data, process_index=0, process_count=2)), 30)]
+    host1 = [e.uid for e in take(iter(train_prompts(data, process_index=1, process_count=2)), 30)]
+    assert host0 == whole[0::2] and host1 == whole[1::2]
+    # the JSONL file's 30 lines repeat every epoch, so uids recur; within one pass they are disjoint
+    assert not {u for u in host0 if "/" in u} & {u for u in host1 if "/" in u}
+    domains = {uid.split("/")[0].split(":")[0] for uid in whole}
+    assert domains == {"addition", "sort", "extra.jsonl"}
+    with pytest.raises(ValueError, match="process_index 2 is not in"):
+        train_prompts(data, process_index=2, process_count=2)
+
+
+def test_resumed_iterator_yields_what_an_uninterrupted_one_would(tmp_path):
+    data = config_with(tmp_path).data
+    straight = iter(train_prompts(data))
+    expected = take(straight, 25)
+    first = iter(train_prompts(data))
+    take(first, 11)
+    state = json.loads(json.dumps(first.get_state()))  # what a checkpoint stores
+    resumed = iter(train_prompts(data))
+    resumed.set_state(state)
+    assert take(resumed, 14) == expected[11:]
+
+
+def test_eval_prompts_are_fixed_and_held_out(tmp_path):
+    data = load_config(None, ["data.train=[{builtin: addition}, {builtin: parity}]",
+                              "data.eval_prompts_per_domain=16"]).data
+    held_out = eval_prompts(data)
+    assert set(held_out) == {"addition", "parity"} and all(len(v) == 16 for v in held_out.values())
+    assert held_out == eval_prompts(data)
+    train_uids = {e.uid for e in take(iter(train_prompts(data)), 200)}
+    assert not train_uids & {e.uid for v in held_out.values() for e in v}
+    rng_prompts = {e.prompt for e in take(iter(train_prompts(data)), 200)}
+    assert np.mean([e.prompt in rng_prompts for e in held_out["addition"]]) < 0.5
