@@ -18,7 +18,6 @@ steps: 30
 model:
   fresh: {hidden_size: 64, num_layers: 2}
 algorithm:
-  advantage: gae
   ppo:
     lam_policy: adaptive
     mismatch: {kind: tis, hi: 3.0}

@@ -267,3 +267,21 @@ def test_bad_configs_and_shapes_are_named():
         ppo_step(state, batch, config=PPOConfig(kl=KLConfig(coef=0.1)))
     with pytest.raises(AssertionError, match=r"\(16, 11\).*logp_old, logp_infer and mask must share one"):
         ppo_step(state, batch.replace(logp_old=batch.logp_old[:, :-1]), config=PPOConfig())
+
+
+def test_grpo_uses_the_group_baseline_and_leaves_the_critic_alone():
+    lr = 0.05
+    config = PPOConfig(advantage="grpo", group_size=4, mismatch=MismatchCorrection("none"))
+    state = make_state(optax.sgd(lr), optax.sgd(lr))
+    batch = scored_batch(state)
+    new, metrics = jax.jit(functools.partial(ppo_step, config=config))(state, batch)
+    assert not any(k.startswith("critic/") for k in metrics)
+    for a, b in zip(jax.tree.leaves(new.critic), jax.tree.leaves(state.critic)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # reference: A = (R − group mean) / (group std + eps) on every response token
+    r = host(batch.rewards).reshape(-1, 4)
+    group = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(-1)
+    m = host(batch.response_mask)
+    np.testing.assert_allclose(float(metrics["advantage_mean"]), (group[:, None] * m).sum() / m.sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match="not a whole number of groups of 5"):
+        ppo_step(state, batch, config=PPOConfig(advantage="grpo", group_size=5))

@@ -69,10 +69,10 @@ class RolloutSection(Section):
 
 
 class AlgorithmSection(Section):
-    """`advantage`: GAE from the critic (the GLM-5.2 recipe) or the GRPO group baseline."""
+    """The PPO step's knobs (`ppo.advantage`: GAE from the critic, the GLM-5.2 recipe, or the
+    GRPO group baseline; `ppo.group_size` is set from rollout.samples_per_prompt) and the two
+    optimizers."""
 
-    advantage: Literal["gae", "grpo"] = "gae"
-    grpo_normalize_std: bool = True
     ppo: PPOConfig = PPOConfig()
     policy_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6)
     critic_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=5e-6)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from opd_jax.core.advantages import gae, length_adaptive_lambda, outcome_rewards, whiten
+from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.losses import Aggregation, KLKind, aggregate, kl_estimate, loss_denominator, policy_loss, value_loss
@@ -62,8 +62,13 @@ class KLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """Every knob of the step. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α = adaptive_alpha."""
+    """Every knob of the step. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α = adaptive_alpha.
+    advantage = "grpo" replaces GAE by the group baseline over consecutive groups of `group_size`
+    samples (same advantage on every token of a sample) and leaves the critic untouched."""
 
+    advantage: Literal["gae", "grpo"] = "gae"
+    group_size: int = 1
+    grpo_normalize_std: bool = True
     gamma: float = 1.0
     lam_policy: float | Literal["adaptive"] = 0.95
     lam_critic: float = 1.0
@@ -86,7 +91,9 @@ class PPOConfig:
     layer_unroll: int | bool = True
 
     def __post_init__(self):
-        for name in ("epochs", "minibatches", "microbatches"):
+        if self.advantage not in ("gae", "grpo"):
+            raise ValueError(f"advantage must be 'gae' or 'grpo', got {self.advantage!r}")
+        for name in ("epochs", "minibatches", "microbatches", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.value_warmup_steps < 0:
@@ -103,6 +110,8 @@ class PPOConfig:
             raise ValueError(f"unknown loss_agg {self.loss_agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
 
     def check_batch_size(self, batch_size: int) -> None:
+        if self.advantage == "grpo" and batch_size % self.group_size:
+            raise ValueError(f"batch of {batch_size} samples is not a whole number of groups of {self.group_size}")
         rows = self.minibatches * self.microbatches
         if batch_size % rows:
             raise ValueError(f"batch of {batch_size} samples does not split into {self.minibatches} mini-batches"
@@ -315,7 +324,11 @@ def _targets(batch: RolloutBatch, config: PPOConfig) -> tuple[_Targets, dict[str
         stats["kl_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(m), 1.0)
     lam_policy = length_adaptive_lambda(m, config.adaptive_alpha) if config.lam_policy == "adaptive" \
         else config.lam_policy
-    advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy)
+    if config.advantage == "grpo":
+        group = group_advantages(batch.rewards, config.group_size, normalize_std=config.grpo_normalize_std)
+        advantages = group[:, None] * m
+    else:
+        advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy)
     _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic)
     if config.whiten_advantages:
         advantages = whiten(advantages, m)
@@ -359,9 +372,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig) -> tupl
         skipped = jax.tree.map(jnp.zeros_like, jax.eval_shape(policy_branch)[2])
         policy, policy_opt, policy_metrics = jax.lax.cond(
             train_policy, policy_branch, lambda: (policy, policy_opt, skipped))
-        critic, critic_opt, critic_metrics = _critic_update(state, critic, critic_opt, mb, config)
-        metrics = {**{f"policy/{k}": v for k, v in policy_metrics.items()},
-                   **{f"critic/{k}": v for k, v in critic_metrics.items()}}
+        metrics = {f"policy/{k}": v for k, v in policy_metrics.items()}
+        if config.advantage == "gae":  # GRPO has no critic to train
+            critic, critic_opt, critic_metrics = _critic_update(state, critic, critic_opt, mb, config)
+            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
         return (policy, policy_opt, critic, critic_opt), metrics
 
     def epoch(carry, _):
