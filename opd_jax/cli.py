@@ -105,6 +105,55 @@ def generate(
         sys.stdout.write(json.dumps(record) + "\n")
 
 
+def _load(config_file: Optional[Path], overrides: list[str]):
+    from opd_jax.config import ConfigError, load_config
+    try:
+        return load_config(config_file, overrides)
+    except ConfigError as e:
+        raise typer.BadParameter(str(e), param_hint="CONFIG / OVERRIDES") from None
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A YAML config (see configs/).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...",
+                                                             help="Dotted overrides, e.g. rollout.samples_per_prompt=8")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in logging.run_dir from its last checkpoint.")] = False,
+) -> None:
+    """RL-train a policy (PPO with a critic + IcePop by default; see the config)."""
+    from opd_jax.data import DataError
+    from opd_jax.train import RunError
+    from opd_jax.train import train as run
+
+    config = _load(config_file, overrides or [])
+    try:
+        run_dir = run(config, resume=resume)
+    except (RunError, DataError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"run written to {run_dir}")
+
+
+@app.command()
+def sft(
+    config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A YAML config (see configs/).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+) -> None:
+    """Supervised warm start only (the config's sft section); writes a Hugging Face directory."""
+    from opd_jax.models import save_model
+    from opd_jax.train.build import build_policy
+    from opd_jax.train.sft import warm_start
+
+    config = _load(config_file, overrides or [])
+    if config.sft.steps == 0:
+        raise typer.BadParameter("sft.steps is 0: nothing to train", param_hint="CONFIG / OVERRIDES")
+    run_dir = Path(config.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    policy, tokenizer = build_policy(config)
+    policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
+    typer.echo(f"model written to {save_model(policy, run_dir / 'sft_policy', tokenizer)}")
+
+
 @app.callback()
 def _root() -> None:
     """opd_jax command line."""

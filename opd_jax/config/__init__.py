@@ -9,9 +9,10 @@ from opd_jax.config.schema import (
     LoggingSection,
     ModelSection,
     RolloutSection,
+    SFTSection,
     SourceSpec,
     TrainConfig,
 )
 
 __all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "FreshModel", "LoggingSection",
-           "ModelSection", "RolloutSection", "SourceSpec", "TrainConfig", "load_config", "save_config", "to_plain"]
+           "ModelSection", "RolloutSection", "SFTSection", "SourceSpec", "TrainConfig", "load_config", "save_config", "to_plain"]

@@ -109,6 +109,15 @@ class DataSection(Section):
     seed: int = 0
 
 
+class SFTSection(Section):
+    """Supervised warm start on the training domains' reference answers before RL (steps = 0:
+    none). RL needs a policy that sometimes succeeds."""
+
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(32, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3)
+
+
 class CheckpointSection(Section):
     every: int = Field(50, gt=0)
     keep: int = Field(3, gt=0)
@@ -118,6 +127,7 @@ class CheckpointSection(Section):
 class LoggingSection(Section):
     run_dir: str = "runs/default"
     eval_every: int = Field(10, gt=0)
+    eval_at_start: bool = True
     tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True
@@ -132,5 +142,6 @@ class TrainConfig(Section):
     rollout: RolloutSection = RolloutSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     data: DataSection = DataSection()
+    sft: SFTSection = SFTSection()
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()

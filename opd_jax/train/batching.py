@@ -1,0 +1,104 @@
+"""Rollouts from any engine into the trainer's RolloutBatch: prompt + response right-padded,
+engine log-probs aligned with the tokens they score, rewards from the verifiers, and the
+configured treatment of responses cut at max_new_tokens."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax.core import RolloutBatch
+from opd_jax.data import Example
+from opd_jax.data.domains import DOMAINS
+from opd_jax.models import Tokenizer
+from opd_jax.rewards import VERIFIERS, RewardFn
+from rollout_bridge.records import Rollout
+
+
+class RewardError(ValueError):
+    """A reward that cannot be trained on; names the sample and its domain."""
+
+
+def response_text(tokenizer: Tokenizer, rollout: Rollout) -> str:
+    return tokenizer.decode(list(rollout.output_ids), skip_special_tokens=True)
+
+
+def score_rollouts(rollouts: Sequence[Rollout], examples: Sequence[Example], tokenizer: Tokenizer,
+                   reward_fn: RewardFn | None = None) -> np.ndarray:
+    """One reward per rollout: the user's reward_fn(prompt, response, answer, domain) when given,
+    else the verifier of the example's domain (exact match for domains not built in, numeric when
+    the answer is a number). A NaN/inf reward raises RewardError naming the sample and domain."""
+    rewards = np.zeros(len(rollouts), np.float64)
+    for i, (rollout, example) in enumerate(zip(rollouts, examples, strict=True)):
+        text = response_text(tokenizer, rollout)
+        if reward_fn is not None:
+            value = float(reward_fn(example.prompt or "", text, example.answer, example.domain))
+        else:
+            rewards[i] = VERIFIERS[_verifier(example)](text, example.answer)
+            continue
+        if not math.isfinite(value):
+            raise RewardError(f"reward of sample {i} (domain {example.domain!r}, prompt {example.uid}) is {value}")
+        rewards[i] = value
+    return rewards
+
+
+def _verifier(example: Example) -> str:
+    if example.domain in DOMAINS:
+        return DOMAINS[example.domain].verifier
+    try:
+        float(example.answer)
+        return "numeric"
+    except ValueError:
+        return "exact"
+
+
+def batch_length(lengths: Sequence[int], multiple: int = 32) -> int:
+    """Padded length for a batch: the longest prompt + response, rounded up (few recompiles)."""
+    return multiple * math.ceil(max(lengths) / multiple)
+
+
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
+         length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, attention_mask, response_mask), each [B, length]: prompt + response right-padded,
+    the response mask 1 on the response's positions."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    length = length or batch_length(lengths)
+    B = len(lengths)
+    tokens = np.full((B, length), pad_id, np.int32)
+    attention = np.zeros((B, length), np.int32)
+    response = np.zeros((B, length), np.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if len(p) + len(r) > length:
+            raise ValueError(f"sample {i} has {len(p) + len(r)} tokens, more than the batch length {length}")
+        tokens[i, :len(p) + len(r)] = [*p, *r]
+        attention[i, :len(p) + len(r)] = 1
+        response[i, len(p):len(p) + len(r)] = 1
+    return tokens, attention, response
+
+
+def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_id: int, length: int | None = None,
+                      truncated: str = "keep", truncation_penalty: float = 0.0) -> RolloutBatch:
+    """tokens = prompt + output (right padding), response_mask = 1 on output tokens (the stop
+    token included), logp_infer = the engine's log-prob at the same positions. Responses cut at
+    max_new_tokens ("length"): "keep" trains on them as they are, "mask" drops them from the
+    loss, "penalize" sets their reward to truncation_penalty. Empty responses carry no tokens."""
+    if truncated not in ("keep", "mask", "penalize"):
+        raise ValueError(f"truncated must be 'keep', 'mask' or 'penalize', got {truncated!r}")
+    tokens, attention, response = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts],
+                                       pad_id=pad_id, length=length)
+    logp = np.zeros(response.shape, np.float32)
+    rewards = np.asarray(rewards, np.float32).copy()
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.output_ids)
+        logp[i, p:p + n] = r.output_logprobs
+        if r.finish_reason == "length":
+            if truncated == "mask":
+                response[i] = 0
+            elif truncated == "penalize":
+                rewards[i] = truncation_penalty
+    return RolloutBatch(tokens=jnp.asarray(tokens), attention_mask=jnp.asarray(attention),
+                        response_mask=jnp.asarray(response), logp_infer=jnp.asarray(logp),
+                        rewards=jnp.asarray(rewards))

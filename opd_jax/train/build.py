@@ -1,0 +1,63 @@
+"""Everything a run is made of, built from its config: tokenizer, policy, critic, optimizers,
+the engine's copy of the policy at the engine's precision, and prompt encoding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from opd_jax.config import TrainConfig
+from opd_jax.data import Example
+from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
+from opd_jax.models.char_tokenizer import char_tokenizer
+from opd_jax.models.weights import build_from_params
+
+
+def build_policy(config: TrainConfig) -> tuple[Decoder, Tokenizer]:
+    section = config.model
+    if section.fresh is not None:
+        f = section.fresh
+        tokenizer = char_tokenizer()
+        model_config = ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, hidden_size=f.hidden_size,
+                                   intermediate_size=f.intermediate_size, num_layers=f.num_layers,
+                                   num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
+                                   max_position_embeddings=f.max_position_embeddings, qk_norm=f.family == "qwen3",
+                                   qkv_bias=f.family == "qwen2", eos_token_ids=(tokenizer.eos_token_id,))
+        policy = Decoder(model_config, param_dtype=jnp.dtype(section.dtype), compute_dtype=section.compute_dtype,
+                         rngs=nnx.Rngs(f.seed))
+        return policy, tokenizer
+    policy, tokenizer = load_model(resolve_model_path(section.path), dtype=section.dtype,
+                                   compute_dtype=section.compute_dtype)
+    if tokenizer is None:
+        raise ValueError(f"model.path {section.path!r} has no tokenizer; a run needs one to read prompts")
+    return policy, tokenizer
+
+
+def build_critic(policy: Decoder, config: TrainConfig) -> ValueModel:
+    return ValueModel.from_policy(policy, head_init=config.model.critic_head_init,
+                                  key=jax.random.key(config.seed + 1))
+
+
+def engine_model(config: Any, params: nnx.State, dtype: str) -> Decoder:
+    """The policy as the rollout engine runs it: its parameters cast to the engine's dtype, which
+    may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real."""
+    cast = jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(params))
+    return build_from_params(Decoder, config, cast, compute_dtype=dtype)
+
+
+def encode_prompt(example: Example, tokenizer: Tokenizer, chat_template: bool) -> list[int]:
+    if example.messages is not None:
+        return tokenizer.encode_chat(list(example.messages))
+    if chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": example.prompt}])
+    return tokenizer.encode(example.prompt)
+
+
+def stop_ids(tokenizer: Tokenizer, policy: Decoder) -> tuple[int, ...]:
+    ids = set(policy.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

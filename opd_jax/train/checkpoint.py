@@ -1,0 +1,46 @@
+"""Checkpoints of a run through orbax: the whole PPO state (policy, critic, both optimizer
+states, step) plus the prompt iterator's state and the PRNG key. Orbax writes each step to a
+temporary directory and renames it when complete, so a kill mid-save leaves the previous
+checkpoint as the latest one that loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep: int):
+        self.manager = ocp.CheckpointManager(
+            directory.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
+        """The state at `step`, shaped and sharded like `like`, and its metadata."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                 meta=ocp.args.JsonRestore()))
+        return out.state, out.meta
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def key_to_json(key: jax.Array) -> list[int]:
+    return np.asarray(jax.random.key_data(key)).tolist()
+
+
+def key_from_json(data: list[int]) -> jax.Array:
+    return jax.random.wrap_key_data(np.asarray(data, np.uint32))

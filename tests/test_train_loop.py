@@ -1,0 +1,100 @@
+"""The training loop end to end at test size, on a (2, 2, 2) mesh of simulated devices: reward
+rises; a killed and resumed run ends exactly where an uninterrupted one does; an incomplete
+checkpoint is skipped; bad data and NaN rewards stop the run with the culprit named."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from opd_jax.config import load_config
+from opd_jax.data import DataError
+from opd_jax.train import RunError, train
+from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.metrics import read_metrics
+
+TINY = [
+    "model.fresh.hidden_size=64", "model.fresh.intermediate_size=128", "model.fresh.num_layers=2",
+    "model.fresh.num_heads=2", "model.fresh.num_kv_heads=1", "model.fresh.head_dim=32",
+    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+    "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
+    "data.train=[{builtin: max, params: {hi: 9, min_len: 3, max_len: 3}}]",
+    "data.prompts_per_step=4", "data.eval_prompts_per_domain=32",
+    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+    "checkpoint.export_hf=false",
+]
+
+
+def config(tmp_path, *extra):
+    return load_config(None, [*TINY, f"logging.run_dir={tmp_path}", *extra])
+
+
+def test_reward_rises_on_an_easy_domain(tmp_path):
+    run = train(config(tmp_path, "steps=40", "sft.steps=20", "sft.batch_size=32", "sft.optimizer.learning_rate=3e-3",
+                       "algorithm.policy_optimizer.learning_rate=1e-3", "algorithm.critic_optimizer.learning_rate=1e-3",
+                       "rollout.samples_per_prompt=8", "logging.eval_every=40", "checkpoint.every=40"))
+    rows = read_metrics(run / "metrics.jsonl")
+    rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+    assert len(rewards) == 40
+    before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
+    # measured here: reward 0.24 -> 0.41 (first vs last 10 steps), held-out accuracy 0.47 -> 0.66
+    assert np.mean(rewards[-10:]) > np.mean(rewards[:10]) + 0.08, rewards
+    assert after > before + 0.08, (before, after)
+    assert all(np.isfinite(r["policy/loss"]) and np.isfinite(r["critic/loss"]) for r in rows[1:])
+    assert (run / "config.yaml").exists() and (run / "sft_metrics.jsonl").exists()
+
+
+def final_params(run_dir, like):
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=2)
+    state, meta = checkpoints.restore(checkpoints.latest_step(), like)
+    checkpoints.close()
+    return state, meta
+
+
+TIMING = ("rollout/tokens_per_s",)
+
+
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
+    common = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=3"]
+    straight = train(config(tmp_path / "straight", *common))
+    interrupted = config(tmp_path / "resumed", *common)
+    train(interrupted, stop_after=3)  # "killed" after step 3: the last checkpoint is step 2
+    with pytest.raises(RunError, match="already holds checkpoints .* pass --resume"):
+        train(interrupted)
+    # a kill in the middle of saving step 4 leaves an unfinished directory behind
+    partial = tmp_path / "resumed" / "checkpoints" / "4.orbax-checkpoint-tmp-1234567890"
+    partial.mkdir()
+    (partial / "garbage").write_text("half written")
+    resumed = train(interrupted, resume=True)
+
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    assert strip(read_metrics(resumed / "metrics.jsonl")) == strip(read_metrics(straight / "metrics.jsonl"))
+    a, meta_a = final_params(straight, _like(straight))
+    b, meta_b = final_params(resumed, _like(straight))
+    assert meta_a == meta_b and int(a.step) == int(b.step) == 6
+    for x, y in zip(jax.tree.leaves((a.policy, a.critic, a.policy_opt)), jax.tree.leaves((b.policy, b.critic, b.policy_opt))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _like(run_dir):
+    """A state of the run's shapes to restore into, rebuilt from its saved config."""
+    from opd_jax.core import PPOState, make_optimizer
+    from opd_jax.train.build import build_critic, build_policy
+    config = load_config(run_dir / "config.yaml")
+    policy, _ = build_policy(config)
+    return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
+                           make_optimizer(config.algorithm.critic_optimizer))
+
+
+def test_bad_data_and_nan_rewards_stop_the_run(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        train(config(tmp_path / "a", "steps=2", f"data.train=[{{jsonl: {bad}}}]"))
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    with pytest.raises(RunError, match=r"evaluation at step 0: reward of sample 0 \(domain 'max', prompt max/eval/0\)"):
+        train(config(tmp_path / "b", "steps=2", "data.reward_fn=nan_reward:reward"))
+    # the training rollouts are checked the same way (no evaluation before them here)
+    with pytest.raises(RunError, match=r"step 1: reward of sample 0 \(domain 'max', prompt max/train/"):
+        train(config(tmp_path / "c", "steps=2", "data.reward_fn=nan_reward:reward", "logging.eval_at_start=false"))
