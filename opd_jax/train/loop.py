@@ -107,7 +107,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     step_fn = score_fn = None
     try:
         if start is None and config.logging.eval_at_start:
-            log.log(0, run_eval(0))
+            log.log(0, run_eval(0), advance=False)
         for step in range(start or 0, config.steps):
             key, sample_key = jax.random.split(key)
             examples = [e for e in take(prompts, config.data.prompts_per_step) for _ in range(group)]

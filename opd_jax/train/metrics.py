@@ -34,7 +34,7 @@ class MetricsLog:
                              dynamic_ncols=True)
         self.last: dict[str, float] = {}
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], *, advance: bool = True) -> None:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -44,7 +44,10 @@ class MetricsLog:
                     self.writer.add_scalar(name, value, step)
         self.last.update(row)
         self.bar.set_postfix({k: f"{self.last[v]:.3g}" for k, v in _BAR_KEYS.items() if v in self.last})
-        self.bar.update(1)
+        if advance:
+            self.bar.update(1)
+        else:
+            self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()
