@@ -105,6 +105,14 @@ def generate(
         sys.stdout.write(json.dumps(record) + "\n")
 
 
+def _split_overrides(config_file: Optional[Path], overrides: Optional[list[str]]):
+    """`opd-jax train key=value ...` without a file: the first override lands in CONFIG."""
+    overrides = list(overrides or [])
+    if config_file is not None and "=" in str(config_file) and not config_file.exists():
+        return None, [str(config_file), *overrides]
+    return config_file, overrides
+
+
 def _load(config_file: Optional[Path], overrides: list[str]):
     from opd_jax.config import ConfigError, load_config
     try:
@@ -125,7 +133,7 @@ def train(
     from opd_jax.train import RunError
     from opd_jax.train import train as run
 
-    config = _load(config_file, overrides or [])
+    config = _load(*_split_overrides(config_file, overrides))
     try:
         run_dir = run(config, resume=resume)
     except (RunError, DataError) as e:
@@ -144,7 +152,7 @@ def sft(
     from opd_jax.train.build import build_policy
     from opd_jax.train.sft import warm_start
 
-    config = _load(config_file, overrides or [])
+    config = _load(*_split_overrides(config_file, overrides))
     if config.sft.steps == 0:
         raise typer.BadParameter("sft.steps is 0: nothing to train", param_hint="CONFIG / OVERRIDES")
     run_dir = Path(config.logging.run_dir)
