@@ -48,3 +48,26 @@ def test_rewards_from_verifiers_and_user_functions():
     np.testing.assert_array_equal(lengths, [1.0, 8.0, 2.0])
     with pytest.raises(RewardError, match=r"reward of sample 1 \(domain 'my_jsonl'"):
         score_rollouts(outs, examples, tok, reward_fn=lambda p, r, a, d: math.nan if d == "my_jsonl" else 1.0)
+
+
+def test_trainer_rescoring_matches_the_engine_at_its_temperature():
+    """Engine samples at T = 0.7 in float32; the trainer's θ_old log-probs of the same tokens at
+    the same temperature agree with the engine's, and at T = 1 they clearly do not."""
+    import jax
+    import optax
+    from ppo_setup import make_state
+
+    from opd_jax.core import score_batch
+    from opd_jax.sampling import Sampler
+    from rollout_bridge.records import SamplingParams
+
+    state = make_state(optax.sgd(0.1), optax.sgd(0.1))
+    engine = Sampler(state.policy_model(), max_cache_len=64)
+    prompts = [[3, 4, 5], [7, 8], [9, 10, 11, 12]]
+    rollouts = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.7), jax.random.key(0))
+    batch = rollouts_to_batch(rollouts, np.zeros(3), pad_id=0)
+    m = np.asarray(batch.response_mask) > 0
+    same = score_batch(state, batch, temperature=0.7)
+    np.testing.assert_allclose(np.asarray(same.logp_old)[m], np.asarray(batch.logp_infer)[m], atol=2e-4)
+    other = score_batch(state, batch, temperature=1.0)
+    assert np.abs(np.asarray(other.logp_old)[m] - np.asarray(batch.logp_infer)[m]).mean() > 0.01  # 100x the tolerance above

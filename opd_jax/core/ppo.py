@@ -68,6 +68,9 @@ class PPOConfig:
 
     advantage: Literal["gae", "grpo"] = "gae"
     group_size: int = 1
+    # the engine's sampling temperature: log-probs are of log_softmax(logits / T), as the engine
+    # reports them, so the ratios compare like with like (T = 0, greedy, scores at T = 1)
+    temperature: float = 1.0
     grpo_normalize_std: bool = True
     gamma: float = 1.0
     lam_policy: float | Literal["adaptive"] = 0.95
@@ -96,6 +99,8 @@ class PPOConfig:
         for name in ("epochs", "minibatches", "microbatches", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (greedy rollouts score at 1.0), got {self.temperature}")
         if self.value_warmup_steps < 0:
             raise ValueError(f"value_warmup_steps must be >= 0, got {self.value_warmup_steps}")
         if self.lam_policy != "adaptive" and not 0 <= self.lam_policy <= 1:
@@ -152,10 +157,14 @@ class PPOState:
 # --- forward passes -------------------------------------------------------------------------
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                      with_entropy: bool = False, unroll: int | bool = 1) -> tuple[jax.Array, jax.Array | None]:
-    """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params)."""
+                      with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0
+                      ) -> tuple[jax.Array, jax.Array | None]:
+    """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
+    of the distribution softmax(logits / temperature)."""
     logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
                                          attention_mask=batch.attention_mask, unroll=unroll)
+    if temperature != 1.0:
+        logits = logits / temperature
     return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
 
 
@@ -185,11 +194,12 @@ def _map_rows(fn, tree: Any, n: int) -> Any:
     return jax.tree.map(merge_rows, out)
 
 
-def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1) -> RolloutBatch:
-    """The batch with logp_old (θ_old = state.policy) and old_values (state.critic) filled in,
-    computed in `microbatches` slices. Zero outside the response mask."""
+def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
+                temperature: float = 1.0) -> RolloutBatch:
+    """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature) and
+    old_values (state.critic) filled in, computed in `microbatches` slices. Zero off the mask."""
     def score(b: RolloutBatch):
-        logp, _ = sequence_logprobs(state.policy_def, state.policy, b)
+        logp, _ = sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature)
         return logp, sequence_values(state.critic_def, state.critic, b)
 
     logp_old, old_values = _map_rows(score, batch, microbatches)
@@ -279,7 +289,7 @@ def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config
 
     def loss_fn(p, t: _Targets):
         logp, entropy = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
-                                          unroll=config.layer_unroll)
+                                          unroll=config.layer_unroll, temperature=config.temperature)
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=config.eps_low,
                                     eps_high=config.eps_high, dual_clip=config.dual_clip, weights=t.weights,
                                     agg=config.loss_agg, normalizer=normalizer)

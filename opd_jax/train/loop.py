@@ -72,7 +72,9 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
         policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
     critic = build_critic(policy, config)
     group = config.rollout.samples_per_prompt
-    ppo_config = dataclasses.replace(config.algorithm.ppo, group_size=group)
+    # the trainer scores what the engine sampled: softmax(logits / T) (greedy engines report T = 1)
+    temperature = config.rollout.temperature or 1.0
+    ppo_config = dataclasses.replace(config.algorithm.ppo, group_size=group, temperature=temperature)
     state = PPOState.create(policy, critic, make_optimizer(config.algorithm.policy_optimizer),
                             make_optimizer(config.algorithm.critic_optimizer))
     prompts = iter(train_prompts(config.data, process_index=jax.process_index(), process_count=jax.process_count()))
@@ -122,7 +124,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
                                       truncation_penalty=rollout.truncation_penalty)
             validate_batch(batch, vocab_size=policy.config.vocab_size)
             if step_fn is None:
-                score_fn = sharded_scoring(score_batch, state, batch, mesh)
+                score_fn = sharded_scoring(functools.partial(score_batch, temperature=temperature), state, batch, mesh)
                 step_fn = sharded_step(functools.partial(ppo_step, config=ppo_config), state,
                                        jax.eval_shape(score_batch, state, batch), mesh)
             scored = score_fn(state, shard(batch, batch_shardings(batch, mesh)))
