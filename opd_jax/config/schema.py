@@ -66,6 +66,9 @@ class RolloutSection(Section):
     dtype: DType = "float32"
     truncated: Literal["keep", "mask", "penalize"] = "keep"
     truncation_penalty: float = 0.0
+    # research knob: the engine's weights get N(0, (noise·std(w))²) added at every sync, a
+    # train/inference mismatch larger than bf16's, to study the corrections under stress
+    inject_weight_noise: float = Field(0.0, ge=0)
 
 
 class AlgorithmSection(Section):

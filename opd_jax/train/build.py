@@ -41,10 +41,17 @@ def build_critic(policy: Decoder, config: TrainConfig) -> ValueModel:
                                   key=jax.random.key(config.seed + 1))
 
 
-def engine_model(config: Any, params: nnx.State, dtype: str) -> Decoder:
+def engine_model(config: Any, params: nnx.State, dtype: str, *, noise: float = 0.0, version: int = 0) -> Decoder:
     """The policy as the rollout engine runs it: its parameters cast to the engine's dtype, which
-    may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real."""
-    cast = jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(params))
+    may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real; `noise`
+    adds N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one."""
+    pure = nnx.to_pure_dict(params)
+    if noise:
+        leaves, tree = jax.tree.flatten(pure)
+        keys = jax.random.split(jax.random.key(version), len(leaves))
+        leaves = [w + noise * jnp.std(w) * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)]
+        pure = jax.tree.unflatten(tree, leaves)
+    cast = jax.tree.map(lambda x: x.astype(dtype), pure)
     return build_from_params(Decoder, config, cast, compute_dtype=dtype)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import resource
 import time
 from pathlib import Path
 
@@ -53,6 +55,15 @@ def mismatch_report(batch) -> dict[str, float]:
             **{f"mismatch_ratio_q{q:02d}": float(np.quantile(k, q / 100)) for q in (1, 10, 50, 90, 99)}}
 
 
+def memory_report(state: PPOState) -> dict[str, float]:
+    """Bytes of policy, critic and both optimizer states (what training holds besides
+    activations), and this process's peak resident memory so far."""
+    nbytes = lambda tree: float(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
+    return {"policy_gib": nbytes(state.policy) / 2**30, "critic_gib": nbytes(state.critic) / 2**30,
+            "optimizer_states_gib": nbytes((state.policy_opt, state.critic_opt)) / 2**30,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
 def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None = None) -> Path:
     """Run (or, with resume, continue) the configured training; returns the run directory.
     stop_after: end after that step as if killed (checkpoints as configured), for tests."""
@@ -91,7 +102,8 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     stops = stop_ids(tokenizer, policy)
     held_out = eval_prompts(config.data)
     longest_prompt = max((len(encode(e)) for v in held_out.values() for e in v), default=64)
-    engine = Sampler(engine_model(policy.config, state.policy, rollout.dtype),
+    engine = Sampler(engine_model(policy.config, state.policy, rollout.dtype, noise=rollout.inject_weight_noise,
+                                  version=start or 0),
                      max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
                      pad_id=tokenizer.pad_token_id or 0, weight_version=start or 0)
     sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -132,7 +144,9 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
             metrics = {k: float(v) for k, v in metrics.items()}
             if metrics["nonfinite_inputs"]:
                 raise RunError(f"step {step + 1}: {int(metrics['nonfinite_inputs'])} non-finite log-probs or values")
-            engine.update_weights(engine_model(policy.config, state.policy, rollout.dtype), weight_version=step + 1)
+            engine.update_weights(engine_model(policy.config, state.policy, rollout.dtype,
+                                               noise=rollout.inject_weight_noise, version=step + 1),
+                                  weight_version=step + 1)
             generated = sum(len(r.output_ids) for r in rollouts)
             metrics.update(mismatch_report(scored))
             metrics.update({"rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
@@ -148,6 +162,8 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     finally:
         log.close()
         checkpoints.close()
+    with (run_dir / "memory.json").open("w") as f:
+        json.dump(memory_report(state), f)
     if config.checkpoint.export_hf and jax.process_index() == 0:
         save_model(state.policy_model(), run_dir / "hf_policy", tokenizer)
     if config.logging.plot and jax.process_index() == 0:
