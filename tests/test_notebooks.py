@@ -4,22 +4,24 @@ import json
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.mark.parametrize("name", ["mismatch_analysis"])
-def test_notebook_runs_and_writes_its_summary(name, tmp_path, monkeypatch):
+def run_notebook(name, out, monkeypatch):
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_SCALE", "small")
-    monkeypatch.setenv("OPD_JAX_NOTEBOOK_OUT", str(tmp_path))
+    monkeypatch.setenv("OPD_JAX_NOTEBOOK_OUT", str(out))
     monkeypatch.setenv("OPD_JAX_QUICKSTART", str(ROOT / "configs" / "quickstart.yaml"))
     # the kernel is a fresh process: give it the same simulated devices as the suite
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     notebook = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_mismatch_notebook(tmp_path, monkeypatch):
+    summary = run_notebook("mismatch_analysis", tmp_path, monkeypatch)
     assert len(summary) == 6
     for values in summary.values():
         assert all(v == v and abs(v) < 1e6 for v in values.values())  # finite numbers
@@ -28,3 +30,11 @@ def test_notebook_runs_and_writes_its_summary(name, tmp_path, monkeypatch):
     noisy = summary["bf16 + weight noise 0.05 / none"]["abs_dlogp_mean"]
     assert 0 < bf16 < noisy
     assert (tmp_path / "curves.png").exists() and (tmp_path / "delta_logp_hist.png").exists()
+
+
+def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
+    summary = run_notebook("ppo_vs_grpo", tmp_path, monkeypatch)
+    assert set(summary) == {"long_count / gae", "long_count / grpo", "addition / gae", "addition / grpo"}
+    for values in summary.values():
+        assert all(0 <= v <= 1 for v in values.values())
+    assert (tmp_path / "curves.png").exists()
