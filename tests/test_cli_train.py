@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from test_train_loop import TINY
+from train_loop_settings import TINY
 from typer.testing import CliRunner
 
 from opd_jax.cli import app

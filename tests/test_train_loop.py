@@ -7,23 +7,13 @@ import json
 import jax
 import numpy as np
 import pytest
+from train_loop_settings import RESUME_ARGS, TINY
 
 from opd_jax.config import load_config
 from opd_jax.data import DataError
 from opd_jax.train import RunError, train
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.metrics import read_metrics
-
-TINY = [
-    "model.fresh.hidden_size=64", "model.fresh.intermediate_size=128", "model.fresh.num_layers=2",
-    "model.fresh.num_heads=2", "model.fresh.num_kv_heads=1", "model.fresh.head_dim=32",
-    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-    "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
-    "data.train=[{builtin: max, params: {hi: 9, min_len: 3, max_len: 3}}]",
-    "data.prompts_per_step=4", "data.eval_prompts_per_domain=32",
-    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-    "checkpoint.export_hf=false",
-]
 
 
 def config(tmp_path, *extra):
@@ -56,9 +46,8 @@ TIMING = ("rollout/tokens_per_s",)
 
 
 def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
-    common = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=3"]
-    straight = train(config(tmp_path / "straight", *common))
-    interrupted = config(tmp_path / "resumed", *common)
+    straight = train(config(tmp_path / "straight", *RESUME_ARGS))
+    interrupted = config(tmp_path / "resumed", *RESUME_ARGS)
     train(interrupted, stop_after=3)  # "killed" after step 3: the last checkpoint is step 2
     with pytest.raises(RunError, match="already holds checkpoints .* pass --resume"):
         train(interrupted)
@@ -98,3 +87,21 @@ def test_bad_data_and_nan_rewards_stop_the_run(tmp_path):
     # the training rollouts are checked the same way (no evaluation before them here)
     with pytest.raises(RunError, match=r"step 1: reward of sample 0 \(domain 'max', prompt max/train/"):
         train(config(tmp_path / "c", "steps=2", "data.reward_fn=nan_reward:reward", "logging.eval_at_start=false"))
+
+
+def test_a_real_kill_during_a_checkpoint_save_resumes_exactly(tmp_path):
+    """SIGKILL in the middle of saving step 4; the resumed run ends as an uninterrupted one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    worker = Path(__file__).with_name("kill_during_save.py")
+    killed = subprocess.run([sys.executable, str(worker), str(tmp_path / "killed")], capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert Checkpoints(tmp_path / "killed" / "checkpoints", keep=2).latest_step() in (2, 4)
+    resumed = train(config(tmp_path / "killed", *RESUME_ARGS), resume=True)
+    straight = train(config(tmp_path / "straight", *RESUME_ARGS))
+    a, _ = final_params(straight, _like(straight))
+    b, _ = final_params(resumed, _like(straight))
+    for x, y in zip(jax.tree.leaves((a.policy, a.critic)), jax.tree.leaves((b.policy, b.critic))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

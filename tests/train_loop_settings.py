@@ -1,0 +1,15 @@
+"""The tiny run the loop tests (and their subprocess workers) share."""
+
+TINY = [
+    "model.fresh.hidden_size=64", "model.fresh.intermediate_size=128", "model.fresh.num_layers=2",
+    "model.fresh.num_heads=2", "model.fresh.num_kv_heads=1", "model.fresh.head_dim=32",
+    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+    "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
+    "data.train=[{builtin: max, params: {hi: 9, min_len: 3, max_len: 3}}]",
+    "data.prompts_per_step=4", "data.eval_prompts_per_domain=32",
+    "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+    "checkpoint.export_hf=false",
+]
+
+# a run long enough to kill and resume: checkpoints at steps 2, 4, 6
+RESUME_ARGS = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=3"]
