@@ -1,5 +1,7 @@
 """Every mismatch correction behind the one switch, against NumPy written from the formulas."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,7 @@ def ragged(rng, B, T):
 @pytest.mark.parametrize("kind", CORRECTION_KINDS)
 @pytest.mark.parametrize("veto", [None, 1e-4])
 def test_every_correction_matches_numpy(kind, veto):
-    rng = np.random.default_rng(abs(hash((kind, veto))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((kind, veto)).encode()))  # str hash() is salted per process
     B, T = 12, 10
     m = ragged(rng, B, T)
     logp_infer = -rng.uniform(0.05, 5, (B, T)).astype(np.float32)
