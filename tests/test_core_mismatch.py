@@ -136,3 +136,6 @@ def test_mismatch_metrics_match_numpy():
     np.testing.assert_allclose(got["mismatch_abs_logp_diff"], (np.abs(x) * m).sum() / n, rtol=1e-5)
     np.testing.assert_allclose(got["mismatch_ratio_max"], k[m > 0].max(), rtol=1e-5)
     np.testing.assert_allclose(got["mismatch_outside_band_frac"], (((k < 0.5) | (k > 2)) * m).sum() / n, rtol=1e-6)
+    np.testing.assert_allclose(got["mismatch_ppl_ratio"], np.exp((x * m).sum() / n), rtol=1e-5)
+    for q in (1, 10, 50, 90, 99):
+        np.testing.assert_allclose(got[f"mismatch_ratio_q{q:02d}"], np.quantile(k[m > 0], q / 100), rtol=1e-5)

@@ -113,7 +113,8 @@ def mismatch_weights(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
 def mismatch_metrics(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
     """How far the engine is from the trainer on these tokens, masked means over the batch:
     k3 estimate of KL(engine ‖ trainer) = mean(k − 1 − log k), mean |logp_old − logp_infer|,
-    max k, and the fraction of tokens outside GLM-5's IcePop band [1/2, 2]."""
+    max k, the fraction of tokens outside GLM-5's IcePop band [1/2, 2], the perplexity ratio
+    engine / trainer = exp(mean log k), and quantiles of k (1 when no token is masked in)."""
     chex.assert_equal_shape([logp_old, logp_infer, mask],
                             custom_message="mismatch_metrics: logp_old, logp_infer and mask must share one shape")
     m = mask.astype(jnp.float32)
@@ -125,4 +126,7 @@ def mismatch_metrics(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
         "mismatch_abs_logp_diff": jnp.sum(jnp.abs(log_k)) / n,
         "mismatch_ratio_max": jnp.max(jnp.where(m > 0, k, 0.0)),
         "mismatch_outside_band_frac": jnp.sum(((k < 0.5) | (k > 2.0)) * m) / n,
+        "mismatch_ppl_ratio": jnp.exp(jnp.sum(log_k) / n),
+        **{f"mismatch_ratio_q{q:02d}": jnp.where(jnp.any(m > 0), jnp.nanquantile(jnp.where(m > 0, k, jnp.nan), q / 100), 1.0)
+           for q in (1, 10, 50, 90, 99)},
     })

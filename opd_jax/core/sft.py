@@ -10,6 +10,7 @@ from flax import nnx
 
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.losses import aggregate
+from opd_jax.core.ppo import sequence_logprobs
 from opd_jax.models import Decoder
 
 
@@ -33,8 +34,6 @@ class SFTState:
 def sft_step(state: SFTState, batch: RolloutBatch) -> tuple[SFTState, dict[str, jax.Array]]:
     """loss = −Σ m_t · log π(tokens_t | tokens_<t) / Σ m_t over the response mask; one update.
     (batch.logp_infer and batch.rewards are not used.)"""
-    from opd_jax.core.ppo import sequence_logprobs  # the same forward as the PPO step
-
     def loss_fn(params):
         logp, _ = sequence_logprobs(state.graphdef, params, batch, unroll=True)
         loss, _, count = aggregate(-logp, batch.response_mask, "token-mean")

@@ -37,8 +37,7 @@ def score_rollouts(rollouts: Sequence[Rollout], examples: Sequence[Example], tok
         if reward_fn is not None:
             value = float(reward_fn(example.prompt or "", text, example.answer, example.domain))
         else:
-            rewards[i] = VERIFIERS[_verifier(example)](text, example.answer)
-            continue
+            value = VERIFIERS[_verifier(example)](text, example.answer)
         if not math.isfinite(value):
             raise RewardError(f"reward of sample {i} (domain {example.domain!r}, prompt {example.uid}) is {value}")
         rewards[i] = value

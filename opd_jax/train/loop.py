@@ -43,18 +43,6 @@ class RunError(RuntimeError):
     """A run that must stop; the message says why."""
 
 
-def mismatch_report(batch) -> dict[str, float]:
-    """Host-side train/inference mismatch on this step's response tokens: perplexity ratio
-    (engine / trainer) and quantiles of k = π_old / π_engine."""
-    m = np.asarray(batch.response_mask) > 0
-    if not m.any():
-        return {}
-    diff = (np.asarray(batch.logp_old, np.float64) - np.asarray(batch.logp_infer, np.float64))[m]
-    k = np.exp(diff)
-    return {"mismatch_ppl_ratio": float(np.exp(diff.mean())),
-            **{f"mismatch_ratio_q{q:02d}": float(np.quantile(k, q / 100)) for q in (1, 10, 50, 90, 99)}}
-
-
 def memory_report(state: PPOState) -> dict[str, float]:
     """Bytes of policy, critic and both optimizer states (what training holds besides
     activations), and this process's peak resident memory so far."""
@@ -148,7 +136,6 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
                                                noise=rollout.inject_weight_noise, version=step + 1),
                                   weight_version=step + 1)
             generated = sum(len(r.output_ids) for r in rollouts)
-            metrics.update(mismatch_report(scored))
             metrics.update({"rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
                             "rollout/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts]))})
             done = step + 1
