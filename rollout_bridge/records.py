@@ -9,6 +9,7 @@ the logits for greedy decoding), before any top-k / top-p truncation.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -42,8 +43,49 @@ class Rollout:
     finish_reason: FinishReason
     weight_version: int = 0
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    request_id: str = ""
+    latency_s: float = 0.0  # submit to completion, as the engine's client saw it
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
             raise ValueError(f"rollout has {len(self.output_ids)} output ids but "
                              f"{len(self.output_logprobs)} logprobs")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request: token ids in (never text), the engine's own ids come back.
+    `metadata` (domain, group id, ...) is copied onto the rollout. The embedded engine honours
+    `seed` exactly (same seed, same sample, whatever else is batched); SGLang passes it on as
+    `sampling_seed`, which sglang-jax 0.0.2 ignores."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    request_id: str = dataclasses.field(default_factory=new_request_id)
+    seed: int | None = None  # per-request sampling seed, where the engine honours one
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A request that ended without a rollout: what went wrong after `attempts` tries."""
+
+    request: Request
+    error: str
+    attempts: int = 1
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+Completion = Rollout | Failure

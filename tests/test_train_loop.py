@@ -42,7 +42,7 @@ def final_params(run_dir, like):
     return state, meta
 
 
-TIMING = ("rollout/tokens_per_s",)
+TIMING = ("rollout/tokens_per_s", "rollout/wait_s", "rollout/refit_s")  # wall-clock, differs run to run
 
 
 def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):

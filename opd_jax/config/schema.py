@@ -51,13 +51,46 @@ class ModelSection(Section):
         return self
 
 
+class LaunchSection(Section):
+    """Local SGLang servers the bridge starts and supervises. `command` is the argument list with
+    {model_path}, {host} and {port} placeholders; the servers start on the initial policy and
+    are restarted on a crash (and on each refit when they lack update_weights_from_disk)."""
+
+    command: list[str] = Field(min_length=1)
+    num_servers: int = Field(1, gt=0)
+    host: str = "127.0.0.1"
+    ports: list[int] = []
+    env: dict[str, str] = {}
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
+class SGLangOptions(Section):
+    """How the bridge talks to SGLang. refit: 'disk' = pause → flush_cache →
+    update_weights_from_disk → continue; 'restart' = relaunch on the new weights; 'auto' = disk
+    where the server has the endpoint, else restart."""
+
+    stream: bool = True
+    refit: Literal["auto", "disk", "restart"] = "auto"
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(5, ge=0)
+    max_concurrency: int = Field(256, gt=0)
+
+
 class RolloutSection(Section):
     """How samples are drawn. `dtype` is the engine's precision, which may differ from the
     trainer's so the train/inference mismatch is real. `truncated`: what a response cut at
     max_new_tokens gets: kept as is, masked out of the loss, or its reward set to
     `truncation_penalty`."""
 
-    engine: Literal["embedded"] = "embedded"
+    engine: Literal["embedded", "sglang"] = "embedded"
+    urls: list[str] = []  # sglang: running servers (or one sglang-router URL) ...
+    launch: LaunchSection | None = None  # ... or servers the bridge launches
+    sglang: SGLangOptions = SGLangOptions()
+    # async RL: rollouts for step n+1 are generated while step n trains; a group whose oldest
+    # token is more than max_staleness weight versions old is dropped (kept with keep_stale)
+    max_staleness: int = Field(0, ge=0)
+    keep_stale: bool = False
+    interrupted: Literal["resume", "discard"] = "resume"  # a rollout cut by a refit
     samples_per_prompt: int = Field(4, gt=0)
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, ge=0)
@@ -69,6 +102,15 @@ class RolloutSection(Section):
     # research knob: the engine's weights get N(0, (noise·std(w))²) added at every sync, a
     # train/inference mismatch larger than bf16's, to study the corrections under stress
     inject_weight_noise: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> RolloutSection:
+        if self.engine == "sglang" and bool(self.urls) == (self.launch is not None):
+            raise ValueError("engine 'sglang' needs exactly one of rollout.urls (running servers) and "
+                             "rollout.launch (servers to start)")
+        if self.engine == "embedded" and (self.urls or self.launch is not None):
+            raise ValueError("rollout.urls / rollout.launch are for engine 'sglang'; the embedded engine has none")
+        return self
 
 
 class AlgorithmSection(Section):

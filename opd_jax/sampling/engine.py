@@ -97,7 +97,8 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  key: jax.Array, metadata: Sequence[dict[str, Any]] | None = None) -> list[Rollout]:
-        """One rollout per prompt, in order. `params` is shared or one per prompt."""
+        """One rollout per prompt, in order. `params` is shared or one per prompt; `key` is one
+        PRNG key (row i draws from fold_in(key, i)) or one key per prompt."""
         if not prompts:
             return []
         per_row = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -126,7 +127,12 @@ class Sampler:
         stop_ids = np.full((B, n_stop), -1, np.int32)
         for i, p in enumerate(per_row):
             stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
-        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(B))
+        if key.shape == (B,):
+            row_keys = key
+        elif key.shape == ():
+            row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(B))
+        else:
+            raise ValueError(f"key must be one PRNG key or one per prompt ({B}), got shape {key.shape}")
         out_tokens, out_logprobs, lengths, stopped = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(mask), row_keys,
             jnp.asarray([p.temperature for p in per_row], jnp.float32),

@@ -1,5 +1,5 @@
 """Checkpoints of a run through orbax: the whole PPO state (policy, critic, both optimizer
-states, step) plus the prompt iterator's state and the PRNG key. Orbax writes each step to a
+states, step) plus the prompt iterator's state and how many prompt groups were drawn. Orbax writes each step to a
 temporary directory and renames it when complete, so a kill mid-save leaves the previous
 checkpoint as the latest one that loads."""
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -36,11 +35,3 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
-
-
-def key_to_json(key: jax.Array) -> list[int]:
-    return np.asarray(jax.random.key_data(key)).tolist()
-
-
-def key_from_json(data: list[int]) -> jax.Array:
-    return jax.random.wrap_key_data(np.asarray(data, np.uint32))

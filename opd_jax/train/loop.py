@@ -17,7 +17,7 @@ import numpy as np
 
 from opd_jax.config import TrainConfig, save_config
 from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch, validate_batch
-from opd_jax.data import eval_prompts, take, train_prompts
+from opd_jax.data import Example, eval_prompts, take, train_prompts
 from opd_jax.models import save_model
 from opd_jax.parallel import (
     batch_shardings,
@@ -29,14 +29,15 @@ from opd_jax.parallel import (
     tree_shardings,
 )
 from opd_jax.rewards import load_reward_fn
-from opd_jax.sampling import Sampler
 from opd_jax.train.batching import RewardError, rollouts_to_batch, score_rollouts
-from opd_jax.train.build import build_critic, build_policy, encode_prompt, engine_model, stop_ids
-from opd_jax.train.checkpoint import Checkpoints, key_from_json, key_to_json
+from opd_jax.train.build import build_critic, build_policy, encode_prompt, stop_ids
+from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.engines import close_engine, engine_metrics, make_engine, weight_update
 from opd_jax.train.evaluate import evaluate
 from opd_jax.train.metrics import MetricsLog, plot_curves
 from opd_jax.train.sft import warm_start
-from rollout_bridge.records import SamplingParams
+from rollout_bridge.pipe import RolloutPipe
+from rollout_bridge.records import Request, SamplingParams
 
 
 class RunError(RuntimeError):
@@ -77,11 +78,9 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     state = PPOState.create(policy, critic, make_optimizer(config.algorithm.policy_optimizer),
                             make_optimizer(config.algorithm.critic_optimizer))
     prompts = iter(train_prompts(config.data, process_index=jax.process_index(), process_count=jax.process_count()))
-    key = jax.random.key(config.seed)
     if start is not None:
         state, meta = checkpoints.restore(start, state)
         prompts.set_state(meta["data"])
-        key = key_from_json(meta["key"])
     mesh = make_mesh(config.mesh)
     state = shard(state, tree_shardings(state, mesh))
 
@@ -90,12 +89,26 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     stops = stop_ids(tokenizer, policy)
     held_out = eval_prompts(config.data)
     longest_prompt = max((len(encode(e)) for v in held_out.values() for e in v), default=64)
-    engine = Sampler(engine_model(policy.config, state.policy, rollout.dtype, noise=rollout.inject_weight_noise,
-                                  version=start or 0),
-                     max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
-                     pad_id=tokenizer.pad_token_id or 0, weight_version=start or 0)
     sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                               top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=stops)
+    engine = make_engine(config, weight_update(config, policy, state.policy, tokenizer, start or 0),
+                         max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
+                         pad_id=tokenizer.pad_token_id or 0, refit_dir=run_dir / "refit")
+    groups_drawn = [meta["groups_drawn"] if start is not None else 0]
+    group_examples: dict[int, Example] = {}
+
+    def next_group() -> list[Request]:
+        """G requests of the next prompt; each sample's seed follows from the run seed and its
+        position in the stream, so a resumed run draws the same samples."""
+        (example,) = take(prompts, 1)
+        index = groups_drawn[0]
+        groups_drawn[0] += 1
+        group_examples[index] = example
+        ids = encode(example)
+        return [Request(ids, sampling, {"domain": example.domain, "group": index},
+                        seed=(config.seed * 1_000_003 + index * group + j) % 2**31) for j in range(group)]
+
+    pipe = RolloutPipe(engine, next_group, max_staleness=rollout.max_staleness, keep_stale=rollout.keep_stale)
 
     def run_eval(at_step: int) -> dict[str, float]:
         try:
@@ -111,17 +124,17 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
         if start is None and config.logging.eval_at_start:
             log.log(0, run_eval(0), advance=False)
         for step in range(start or 0, config.steps):
-            key, sample_key = jax.random.split(key)
-            examples = [e for e in take(prompts, config.data.prompts_per_step) for _ in range(group)]
             began = time.perf_counter()
-            rollouts = engine.generate([encode(e) for e in examples], sampling, sample_key)
+            groups = pipe.take(config.data.prompts_per_step, trainer_version=step)
             rollout_s = time.perf_counter() - began
+            rollouts = [r for g in groups for r in g]
+            examples = [e for g in groups for e in [group_examples.pop(g[0].metadata["group"])] * len(g)]
             try:
                 rewards = score_rollouts(rollouts, examples, tokenizer, reward_fn)
             except RewardError as e:
                 raise RunError(f"step {step + 1}: {e}") from None
-            batch = rollouts_to_batch(rollouts, rewards, pad_id=engine.pad_id, truncated=rollout.truncated,
-                                      truncation_penalty=rollout.truncation_penalty)
+            batch = rollouts_to_batch(rollouts, rewards, pad_id=tokenizer.pad_token_id or 0,
+                                      truncated=rollout.truncated, truncation_penalty=rollout.truncation_penalty)
             validate_batch(batch, vocab_size=policy.config.vocab_size)
             if step_fn is None:
                 score_fn = sharded_scoring(functools.partial(score_batch, temperature=temperature), state, batch, mesh)
@@ -132,23 +145,26 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
             metrics = {k: float(v) for k, v in metrics.items()}
             if metrics["nonfinite_inputs"]:
                 raise RunError(f"step {step + 1}: {int(metrics['nonfinite_inputs'])} non-finite log-probs or values")
-            engine.update_weights(engine_model(policy.config, state.policy, rollout.dtype,
-                                               noise=rollout.inject_weight_noise, version=step + 1),
-                                  weight_version=step + 1)
+            refit_began = time.perf_counter()
+            engine.update_weights(weight_update(config, policy, state.policy, tokenizer, step + 1))
             generated = sum(len(r.output_ids) for r in rollouts)
-            metrics.update({"rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
-                            "rollout/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts]))})
+            metrics.update({"rollout/tokens_per_s": generated / max(rollout_s, 1e-9), "rollout/wait_s": rollout_s,
+                            "rollout/refit_s": time.perf_counter() - refit_began,
+                            "rollout/staleness": float(np.mean([step - r.weight_version for r in rollouts])),
+                            "rollout/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+                            **pipe.stats.take(), **engine_metrics(engine)})
             done = step + 1
             if done % config.logging.eval_every == 0 or done == config.steps:
                 metrics.update(run_eval(done))
             log.log(done, metrics)
             if done % config.checkpoint.every == 0 or done == config.steps:
-                checkpoints.save(done, state, {"data": prompts.get_state(), "key": key_to_json(key)})
+                checkpoints.save(done, state, {"data": prompts.get_state(), "groups_drawn": groups_drawn[0]})
             if stop_after is not None and done >= stop_after:
                 return run_dir
     finally:
         log.close()
         checkpoints.close()
+        close_engine(engine)
     with (run_dir / "memory.json").open("w") as f:
         json.dump(memory_report(state), f)
     if config.checkpoint.export_hf and jax.process_index() == 0:

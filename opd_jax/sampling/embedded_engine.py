@@ -1,0 +1,96 @@
+"""The embedded JAX sampler behind rollout_bridge's engine protocol, so the training loop drives
+it exactly as it drives SGLang servers.
+
+Each `stream()` call is one batched `Sampler.generate`, run in a worker thread so the event loop
+(and the trainer) are not blocked. A request with a `seed` draws from key(seed), so its sample
+does not depend on what it is batched with; otherwise from fold_in(key(engine seed), counter).
+An abort or pause takes effect between batches: a batch in flight finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from opd_jax.sampling.engine import Sampler
+from rollout_bridge.protocol import EngineError, WeightUpdate
+from rollout_bridge.records import Completion, Request, Rollout
+
+
+class EmbeddedEngine:
+    def __init__(self, sampler: Sampler, seed: int = 0):
+        self.sampler = sampler
+        self._base_key = jax.random.key(seed)
+        self._counter = 0
+        self._aborted: set[str] = set()
+        self._running: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def weight_version(self) -> int:
+        return self.sampler.weight_version
+
+    def _ensure(self) -> None:
+        if self._running is None:
+            self._running, self._lock = asyncio.Event(), asyncio.Lock()
+            self._running.set()
+
+    def _keys(self, requests: Sequence[Request]) -> jax.Array:
+        keys = []
+        for r in requests:
+            if r.seed is None:
+                self._counter += 1
+                keys.append(jax.random.fold_in(self._base_key, self._counter))
+            else:
+                keys.append(jax.random.key(r.seed))
+        return jnp.stack(keys)
+
+    async def stream(self, requests: Sequence[Request]) -> AsyncIterator[Completion]:
+        if not requests:
+            return
+        self._ensure()
+        began = time.perf_counter()
+        await self._running.wait()
+        live = [r for r in requests if r.request_id not in self._aborted]
+        for r in requests:
+            if r.request_id in self._aborted:
+                self._aborted.discard(r.request_id)
+                yield Rollout(r.prompt_ids, (), (), "abort", self.weight_version, dict(r.metadata), r.request_id)
+        if not live:
+            return
+        async with self._lock:  # one batch at a time; weights cannot change under it
+            rollouts = await asyncio.to_thread(self.sampler.generate, [r.prompt_ids for r in live],
+                                               [r.params for r in live], self._keys(live),
+                                               [r.metadata for r in live])
+        latency = time.perf_counter() - began
+        for request, rollout in zip(live, rollouts):
+            yield Rollout(rollout.prompt_ids, rollout.output_ids, rollout.output_logprobs, rollout.finish_reason,
+                          rollout.weight_version, rollout.metadata, request.request_id, latency)
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        if update.model is None:
+            raise EngineError("the embedded engine takes the model in memory; this update has none")
+        self._ensure()
+        async with self._lock:
+            self.sampler.update_weights(update.model(), update.version)
+
+    async def health(self) -> bool:
+        return True
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        self._aborted.update(request_ids or ())
+
+    async def pause(self) -> None:
+        self._ensure()
+        self._running.clear()
+
+    async def resume(self) -> None:
+        self._ensure()
+        self._running.set()
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,137 @@
+"""The synchronous trainer's handle on an async engine: the engine's event loop runs in a
+background thread, so generation goes on while the trainer computes.
+
+`EngineThread.generate(requests)` is the plain blocking call (results in request order).
+`RolloutPipe` adds what an RL loop needs on top: whole groups (the G samples of one prompt),
+prefetching so generation for step n+1 overlaps training on step n, and bounded staleness: a
+group whose oldest rollout is more than `max_staleness` weight versions behind the trainer is
+dropped and counted (or kept, with keep_stale). With max_staleness = 0 nothing is prefetched
+and the loop is synchronous. Groups with a Failure are dropped and counted; either way a fresh
+group is drawn from the source in its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from rollout_bridge.protocol import Engine, WeightUpdate
+from rollout_bridge.records import Completion, Failure, Request, Rollout
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """An engine driven from synchronous code through its own event loop thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def submit(self, coroutine: Awaitable[T]):
+        """Start a coroutine on the engine's loop; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """One Completion per request, in the requests' order."""
+        async def collect() -> list[Completion]:
+            done = {c.request_id: c async for c in self.engine.stream(requests)}
+            return [done[r.request_id] for r in requests]
+        return self.run(collect())
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        self.run(self.engine.update_weights(update))
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def close(self) -> None:
+        try:
+            self.run(self.engine.close(), timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+@dataclasses.dataclass
+class PipeStats:
+    stale_dropped: int = 0
+    stale_kept: int = 0
+    failed_groups: int = 0
+    failures: list[str] = dataclasses.field(default_factory=list)  # the latest few, for the log
+
+    def take(self) -> dict[str, float]:
+        out = {"rollout/stale_dropped": float(self.stale_dropped), "rollout/stale_kept": float(self.stale_kept),
+               "rollout/failed_groups": float(self.failed_groups)}
+        self.stale_dropped = self.stale_kept = self.failed_groups = 0
+        return out
+
+
+class RolloutPipe:
+    """Groups of rollouts for the trainer. `source()` returns the requests of one new group (all
+    sharing one prompt); `take(n, version)` returns n complete groups fit to train weights
+    `version` on, submitting replacements for any it drops."""
+
+    def __init__(self, engine: EngineThread, source: Callable[[], list[Request]], *, max_staleness: int = 0,
+                 keep_stale: bool = False, max_dropped: int = 1000):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.engine, self.source = engine, source
+        self.max_staleness, self.keep_stale, self.max_dropped = max_staleness, keep_stale, max_dropped
+        self.stats = PipeStats()
+        self._pending: list[Any] = []  # futures of whole groups, oldest first
+
+    def _submit_group(self) -> None:
+        requests = self.source()
+
+        async def run_group() -> list[Completion]:
+            done = {c.request_id: c async for c in self.engine.engine.stream(requests)}
+            return [done[r.request_id] for r in requests]
+        self._pending.append(self.engine.submit(run_group()))
+
+    def take(self, n: int, trainer_version: int) -> list[list[Rollout]]:
+        """n complete groups; then (if max_staleness > 0) n more are submitted to generate while
+        the trainer works on these."""
+        while len(self._pending) < n:
+            self._submit_group()
+        groups: list[list[Rollout]] = []
+        dropped = 0
+        while len(groups) < n:
+            group = self._pending.pop(0).result()
+            failures = [c for c in group if isinstance(c, Failure)]
+            if failures:
+                self.stats.failed_groups += 1
+                self.stats.failures = (self.stats.failures + [f.error for f in failures])[-5:]
+            elif trainer_version - min(r.weight_version for r in group) > self.max_staleness:
+                if self.keep_stale:
+                    self.stats.stale_kept += 1
+                    groups.append(group)
+                    continue
+                self.stats.stale_dropped += 1
+            else:
+                groups.append(group)
+                continue
+            dropped += 1
+            if dropped > self.max_dropped:
+                raise RuntimeError(f"dropped {dropped} groups in a row while collecting {n}; last failures: "
+                                   f"{self.stats.failures}")
+            self._submit_group()
+        if self.max_staleness > 0:
+            while len(self._pending) < n:
+                self._submit_group()
+        return groups
+
+    def drain(self) -> None:
+        """Wait for prefetched groups (so nothing is in flight at a checkpoint or the end)."""
+        for future in self._pending:
+            future.result()
+        self._pending.clear()

@@ -1,0 +1,69 @@
+"""The one interface every rollout engine implements: the embedded JAX sampler and SGLang servers
+alike, so the training loop cannot tell them apart.
+
+An engine is asynchronous. `stream(requests)` yields one `Completion` per request, in completion
+order: a `Rollout`, or a `Failure` that says why there is none. Nothing is yielded twice and
+nothing is dropped, whatever happens to the servers behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from rollout_bridge.records import Completion, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUpdate:
+    """New policy weights, offered in both forms an engine may want; each is built only if asked
+    for. `model()` gives the engine-precision model in memory (embedded engine);
+    `save_hf(directory)` writes it as a Hugging Face directory (SGLang's update_weights_from_disk
+    or a server restart)."""
+
+    version: int
+    model: Callable[[], Any] | None = None
+    save_hf: Callable[[Path], None] | None = None
+
+
+class EngineError(RuntimeError):
+    """An engine that cannot do what was asked (refit rejected, no server healthy, ...)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the loop needs from a rollout engine."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version every new rollout is generated with."""
+        ...
+
+    def stream(self, requests: Sequence[Request]) -> AsyncIterator[Completion]:
+        """Submit the requests; yield exactly one Completion per request as each finishes."""
+        ...
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        """Serve `update` from now on; returns once every replica reports the new version."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the engine can take requests now."""
+        ...
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """End the given in-flight requests (all of them for None); each still yields one
+        Completion, a rollout with finish_reason 'abort' and whatever it had generated."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop generating: in-flight requests end as aborts; new ones wait for resume()."""
+        ...
+
+    async def resume(self) -> None:
+        ...
+
+    async def close(self) -> None:
+        ...
