@@ -24,21 +24,32 @@ from rollout_bridge.records import Completion, Failure, Request, Rollout
 T = TypeVar("T")
 
 
-class EngineThread:
-    """An engine driven from synchronous code through its own event loop thread."""
+class LoopThread:
+    """An asyncio event loop running in a daemon thread, driven from synchronous code."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, name: str = "rollout-engine"):
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
     def run(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def submit(self, coroutine: Awaitable[T]):
-        """Start a coroutine on the engine's loop; returns a concurrent.futures.Future."""
+        """Start a coroutine on the loop; returns a concurrent.futures.Future."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+class EngineThread(LoopThread):
+    """An engine driven from synchronous code through its own event loop thread."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """One Completion per request, in the requests' order."""
@@ -58,8 +69,7 @@ class EngineThread:
         try:
             self.run(self.engine.close(), timeout=60)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self.stop_loop()
 
 
 @dataclasses.dataclass

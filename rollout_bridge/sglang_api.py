@@ -24,6 +24,9 @@ class ServerRejected(ProtocolError):
 
 
 def sampling_params_body(request: Request, max_new_tokens: int | None = None) -> dict[str, Any]:
+    """SGLang also stops at the model's own EOS ids (config / generation_config) whatever
+    stop_token_ids says, and `ignore_eos` would switch stop_token_ids off too; the training
+    loop's stop set always holds the EOS ids, so both engines stop at the same tokens."""
     p = request.params
     body: dict[str, Any] = {
         "max_new_tokens": p.max_new_tokens if max_new_tokens is None else max_new_tokens,

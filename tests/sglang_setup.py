@@ -1,0 +1,75 @@
+"""The real sglang-jax server for the bridge tests: a tiny Llama (head_dim 128, as sglang-jax's
+CPU path needs) saved with opd_jax's own save_model, served from the environment that
+tools/sglang_jax_env.py builds (the test command builds it first; a missing one is built here)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from opd_jax.core.distributions import token_logprobs
+from opd_jax.models import Decoder, save_model
+from opd_jax.models.char_tokenizer import char_tokenizer
+from opd_jax.models.config import ModelConfig
+from rollout_bridge import sglang_jax
+from rollout_bridge.pipe import LoopThread
+from rollout_bridge.servers import LaunchSpec, ServerGroup
+
+ROOT = Path(__file__).resolve().parent.parent
+# no EOS anywhere (model config, generation config, tokenizer): SGLang stops at a model's EOS
+# whatever the request says, and these tests need rollouts of exactly the requested length
+TOKENIZER = dataclasses.replace(char_tokenizer(), eos_token=None)
+CONFIG = ModelConfig(family="llama", vocab_size=TOKENIZER.vocab_size, hidden_size=256, intermediate_size=512,
+                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=128, max_position_embeddings=512)
+
+
+def sglang_python() -> Path:
+    try:
+        return sglang_jax.python()
+    except FileNotFoundError:
+        subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_jax_env.py"), str(sglang_jax.DEFAULT_VENV)],
+                       check=True)
+        return sglang_jax.python()
+
+
+def tiny_model(seed: int) -> Decoder:
+    return Decoder(CONFIG, rngs=nnx.Rngs(seed))
+
+
+def save_tiny(directory: Path, seed: int) -> Path:
+    save_model(tiny_model(seed), directory, TOKENIZER)
+    return directory
+
+
+def launch_spec(log_dir: Path, **command_kwargs) -> LaunchSpec:
+    return LaunchSpec(tuple(sglang_jax.command(sglang_python(), **command_kwargs)),
+                      env=tuple(sglang_jax.ENV.items()), startup_timeout_s=600, log_dir=log_dir)
+
+
+@contextlib.contextmanager
+def running_servers(model_dir: Path, log_dir: Path, **command_kwargs):
+    """A started ServerGroup, supervised on its own event loop thread; yields (group, thread)."""
+    group = ServerGroup(launch_spec(log_dir, **command_kwargs), model_dir)
+    thread = LoopThread("sglang-servers")
+    try:
+        thread.run(group.start())
+        yield group, thread
+    finally:
+        thread.run(group.close(), timeout=120)
+        thread.stop_loop()
+
+
+def trainer_logprobs(model: Decoder, prompt: tuple[int, ...], output: tuple[int, ...], temperature: float) -> np.ndarray:
+    """What the trainer computes for a rollout: log softmax(logits / T) of each output token."""
+    tokens = jnp.asarray([list(prompt) + list(output)])
+    logits = model(tokens, positions=jnp.arange(tokens.shape[1])[None])
+    logp, _ = token_logprobs(logits.astype(jnp.float32) / (temperature or 1.0), tokens)
+    return np.asarray(jax.device_get(logp[0, len(prompt):]))

@@ -1,0 +1,169 @@
+"""rollout_bridge against a real sglang-jax server on loopback (launched and supervised by the
+bridge's own ServerGroup): generation streamed and not, logprobs against the trainer's
+recomputation, stop tokens, teacher scoring, abort, pause/continue, and faults injected by a
+proxy in front of the server. Refit and crashes are in test_bridge_sglang_refit.py."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from fault_proxy import FaultProxy
+from sglang_setup import running_servers, save_tiny, tiny_model, trainer_logprobs
+
+from rollout_bridge.pipe import EngineThread
+from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
+from rollout_bridge.sglang_engine import SGLangEngine
+
+PROMPTS = [tuple(range(3 + i % 5, 9 + i % 7)) for i in range(16)]
+MODEL = tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    with running_servers(save_tiny(root / "model", 0), root / "logs") as (group, _):
+        yield group.urls[0]
+
+
+@pytest.fixture
+def engine(server, request):
+    thread = EngineThread(SGLangEngine([server], **getattr(request, "param", {})))
+    yield thread
+    thread.close()
+
+
+def assert_matches_trainer(rollout: Rollout, temperature: float, model=MODEL, atol: float = 1e-4) -> None:
+    ours = trainer_logprobs(model, rollout.prompt_ids, rollout.output_ids, temperature)
+    np.testing.assert_allclose(rollout.output_logprobs, ours, atol=atol)
+
+
+@pytest.mark.parametrize("engine", [{"stream": True}, {"stream": False}], indirect=True, ids=["stream", "plain"])
+def test_generation_logprobs_equal_the_trainers_recomputation(engine):
+    params = SamplingParams(max_new_tokens=12, temperature=0.7)
+    requests = [Request(p, params, {"domain": "d", "group": i}) for i, p in enumerate(PROMPTS)]
+    rollouts = engine.generate(requests)
+    assert [r.request_id for r in rollouts] == [q.request_id for q in requests]
+    for request, rollout in zip(requests, rollouts):
+        assert isinstance(rollout, Rollout) and rollout.prompt_ids == request.prompt_ids
+        assert rollout.metadata == request.metadata and rollout.weight_version == 0
+        assert len(rollout.output_ids) == 12 and rollout.finish_reason == "length"
+        assert_matches_trainer(rollout, 0.7)
+    # different samples for identical prompts (the sampler's key advances)
+    same = engine.generate([Request(PROMPTS[0], params) for _ in range(4)])
+    assert len({r.output_ids for r in same}) > 1
+
+
+def test_streamed_and_plain_greedy_outputs_agree(server):
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    outputs = {}
+    for stream in (True, False):
+        thread = EngineThread(SGLangEngine([server], stream=stream))
+        outputs[stream] = thread.generate([Request(p, params) for p in PROMPTS[:4]])
+        thread.close()
+    for a, b in zip(outputs[True], outputs[False]):
+        assert a.output_ids == b.output_ids
+        assert_matches_trainer(a, 1.0)
+
+
+def test_stop_token_ends_the_rollout_and_is_kept(engine):
+    free = engine.generate([Request(PROMPTS[1], SamplingParams(max_new_tokens=10, temperature=0.0))])[0]
+    k = next(i for i in range(1, 10) if free.output_ids[i] not in free.output_ids[:i])
+    stop = free.output_ids[k]
+    stopped = engine.generate([Request(PROMPTS[1], SamplingParams(max_new_tokens=10, temperature=0.0,
+                                                                  stop_token_ids=(stop,)))])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == free.output_ids[:k + 1]
+    assert_matches_trainer(stopped, 1.0)
+
+
+def test_teacher_scoring_equals_the_trainers_logprobs(engine):
+    sequences = [list(p) + [40, 41, 42] for p in PROMPTS[:3]]
+    scores = engine.run(engine.engine.score(sequences))
+    for seq, got in zip(sequences, scores):
+        ours = trainer_logprobs(MODEL, (seq[0],), tuple(seq[1:]), 1.0)
+        np.testing.assert_allclose(got, ours, atol=1e-4)
+
+
+def _wait_for_tokens(engine: SGLangEngine, request_id: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        flight = engine._flights.get(request_id)
+        if flight is not None and flight.partial is not None and flight.partial.output_ids:
+            return
+        time.sleep(0.05)
+    raise AssertionError("no tokens streamed")
+
+
+def test_abort_mid_stream_ends_with_the_tokens_so_far(engine):
+    long = Request(PROMPTS[2], SamplingParams(max_new_tokens=400, temperature=1.0))
+    future = engine.submit(_collect(engine.engine, [long]))
+    _wait_for_tokens(engine.engine, long.request_id)
+    engine.run(engine.engine.abort([long.request_id]))
+    (rollout,) = future.result(60)
+    assert rollout.finish_reason == "abort" and 0 < len(rollout.output_ids) < 400
+    assert_matches_trainer(rollout, 1.0)
+
+
+async def _collect(engine, requests):
+    return [c async for c in engine.stream(requests)]
+
+
+def test_pause_holds_new_requests_and_resumes_interrupted_ones(engine):
+    sglang = engine.engine
+    long = Request(PROMPTS[3], SamplingParams(max_new_tokens=120, temperature=1.0))
+    in_flight = engine.submit(_collect(sglang, [long]))
+    _wait_for_tokens(sglang, long.request_id)
+    engine.run(sglang.pause())
+    waiting = engine.submit(_collect(sglang, [Request(PROMPTS[4], SamplingParams(max_new_tokens=4))]))
+    time.sleep(1.5)
+    assert not waiting.done() and not in_flight.done()
+    engine.run(sglang.resume())
+    (resumed,) = in_flight.result(120)
+    (later,) = waiting.result(120)
+    assert later.finish_reason == "length" and len(later.output_ids) == 4
+    # cut by the pause, continued from its own tokens: the full budget, logprobs still exact
+    assert sglang.stats.interrupted >= 1
+    assert resumed.finish_reason == "length" and len(resumed.output_ids) == 120
+    assert_matches_trainer(resumed, 1.0)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_every_prompt_is_accounted_for_under_injected_faults(server, stream):
+    proxy = FaultProxy(server, ["ok", "reset", "503", "cut", "garbage", "delay", "500", "ok", "ok"])
+    thread = EngineThread(SGLangEngine([proxy.url], stream=stream, max_retries=8, backoff_s=0.05,
+                                       max_backoff_s=0.2, request_timeout_s=60))
+    try:
+        requests = [Request(p, SamplingParams(max_new_tokens=8, temperature=0.7), {"i": i})
+                    for i, p in enumerate(PROMPTS * 2)]
+        completions = thread.generate(requests)
+    finally:
+        thread.close()
+        proxy.close()
+    assert [c.request_id for c in completions] == [r.request_id for r in requests]
+    assert all(isinstance(c, Rollout) for c in completions), [c.error for c in completions if isinstance(c, Failure)]
+    for c in completions:
+        assert len(c.output_ids) == 8 and c.finish_reason == "length"
+        assert_matches_trainer(c, 0.7)
+    assert thread.engine.stats.retries >= sum(f not in ("ok", "delay") for f in proxy.calls) > 0
+
+
+def test_a_server_that_always_fails_gives_one_failure_per_prompt(server):
+    proxy = FaultProxy(server, ["503"])
+    thread = EngineThread(SGLangEngine([proxy.url], max_retries=2, backoff_s=0.01, max_backoff_s=0.02))
+    try:
+        requests = [Request(p, SamplingParams(max_new_tokens=4)) for p in PROMPTS[:6]]
+        completions = thread.generate(requests)
+    finally:
+        thread.close()
+        proxy.close()
+    assert [c.request_id for c in completions] == [r.request_id for r in requests]
+    assert all(isinstance(c, Failure) and "503" in c.error and c.attempts == 3 for c in completions)
+    assert len(proxy.calls) == 3 * len(requests)
+
+
+def test_a_bad_request_fails_at_once_with_the_servers_message(engine):
+    (failure,) = engine.generate([Request((5, 6, 7), SamplingParams(max_new_tokens=4000))])
+    assert isinstance(failure, Failure) and failure.attempts == 1
+    assert "4000" in failure.error or "context" in failure.error.lower() or "length" in failure.error.lower()
