@@ -281,12 +281,17 @@ class SGLangEngine:
             await self._control(url, "/continue_generation")
         self._running.set()
 
-    async def _control(self, url: str, path: str, body: dict | None = None, method: str = "POST") -> httpx.Response:
-        try:
-            response = await self._call(url, path, body, method)
-        except httpx.TransportError as e:
-            raise EngineError(f"{url}{path}: {type(e).__name__}: {e}") from None
-        if response.status_code != 200 and response.status_code != 404:
+    async def _control(self, url: str, path: str, body: dict | None = None, method: str = "POST",
+                       check: bool = True) -> httpx.Response:
+        for attempt in range(1, 4):  # a kept-alive connection to a restarted server fails once
+            try:
+                response = await self._call(url, path, body, method)
+                break
+            except httpx.TransportError as e:
+                if attempt == 3:
+                    raise EngineError(f"{url}{path}: {type(e).__name__}: {e}") from None
+                await asyncio.sleep(self._backoff(attempt))
+        if check and response.status_code != 200 and response.status_code != 404:
             raise EngineError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
         return response
 
@@ -322,10 +327,12 @@ class SGLangEngine:
 
     async def _refit_one(self, url: str, directory: Path, version: int) -> None:
         if self.refit != "restart":
-            await self._control(url, "/flush_cache")
+            flushed = await self._control(url, "/flush_cache", check=False)
             response = await self._control(url, "/update_weights_from_disk",
                                            api.update_weights_body(str(directory), version))
             if response.status_code == 200:
+                if flushed.status_code != 200:  # prefixes cached under the old weights could be reused
+                    raise EngineError(f"{url}/flush_cache: HTTP {flushed.status_code}: {flushed.text[:300]}")
                 result = response.json()
                 if not result.get("success", False):
                     raise EngineError(f"{url} rejected update_weights_from_disk: {result.get('message')}")

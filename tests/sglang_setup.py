@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -67,9 +68,20 @@ def running_servers(model_dir: Path, log_dir: Path, **command_kwargs):
         thread.stop_loop()
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _forward_logprobs(graphdef, state, tokens, temperature):
+    model = nnx.merge(graphdef, state)
+    logits = model(tokens, positions=jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
+    return token_logprobs(logits.astype(jnp.float32) / temperature, tokens)[0]
+
+
 def trainer_logprobs(model: Decoder, prompt: tuple[int, ...], output: tuple[int, ...], temperature: float) -> np.ndarray:
-    """What the trainer computes for a rollout: log softmax(logits / T) of each output token."""
-    tokens = jnp.asarray([list(prompt) + list(output)])
-    logits = model(tokens, positions=jnp.arange(tokens.shape[1])[None])
-    logp, _ = token_logprobs(logits.astype(jnp.float32) / (temperature or 1.0), tokens)
-    return np.asarray(jax.device_get(logp[0, len(prompt):]))
+    """What the trainer computes for a rollout: log softmax(logits / T) of each output token
+    (T = 0, greedy, reports T = 1). Right-padded to 512 tokens, so one compiled forward serves
+    every rollout: causal attention keeps the padding out of the real positions."""
+    ids = list(prompt) + list(output)
+    tokens = np.zeros((1, 512), np.int32)
+    tokens[0, :len(ids)] = ids
+    graphdef, state = nnx.split(model)
+    logp = _forward_logprobs(graphdef, state, jnp.asarray(tokens), jnp.float32(temperature or 1.0))
+    return np.asarray(logp[0, len(prompt):len(ids)])

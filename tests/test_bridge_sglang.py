@@ -136,7 +136,7 @@ def test_every_prompt_is_accounted_for_under_injected_faults(server, stream):
                                        max_backoff_s=0.2, request_timeout_s=60))
     try:
         requests = [Request(p, SamplingParams(max_new_tokens=8, temperature=0.7), {"i": i})
-                    for i, p in enumerate(PROMPTS * 2)]
+                    for i, p in enumerate(PROMPTS)]
         completions = thread.generate(requests)
     finally:
         thread.close()
