@@ -1,0 +1,110 @@
+"""The embedded engine behind the protocol, and the rollout pipe's groups and staleness rules
+(checked on the embedded engine, where versions are cheap to change)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+from ppo_setup import TINY
+
+from opd_jax.models import Decoder
+from opd_jax.sampling import EmbeddedEngine, Sampler
+from rollout_bridge.pipe import EngineThread, RolloutPipe
+from rollout_bridge.protocol import Engine, WeightUpdate
+from rollout_bridge.records import Failure, Request, SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+
+@pytest.fixture
+def engine():
+    thread = EngineThread(EmbeddedEngine(Sampler(Decoder(TINY, rngs=nnx.Rngs(0)), max_cache_len=64), seed=3))
+    yield thread
+    thread.close()
+
+
+def test_embedded_engine_implements_the_protocol(engine):
+    assert isinstance(engine.engine, Engine)
+
+
+def test_a_seeded_request_draws_the_same_sample_whatever_it_is_batched_with(engine):
+    alone = engine.generate([Request((5, 6, 7), PARAMS, seed=11)])[0]
+    crowd = engine.generate([Request((9, 9), PARAMS, seed=1), Request((5, 6, 7), PARAMS, seed=11),
+                             Request((3, 4, 5, 6), PARAMS)])
+    assert crowd[1].output_ids == alone.output_ids
+    np.testing.assert_allclose(crowd[1].output_logprobs, alone.output_logprobs, atol=1e-5)  # other batch shape
+    unseeded = engine.generate([Request((5, 6, 7), PARAMS) for _ in range(4)])
+    assert len({r.output_ids for r in unseeded}) > 1
+
+
+def test_abort_before_start_and_weight_versions(engine):
+    request = Request((5, 6, 7), PARAMS)
+    engine.run(engine.engine.abort([request.request_id]))
+    (aborted,) = engine.generate([request])
+    assert aborted.finish_reason == "abort" and aborted.output_ids == ()
+    engine.update_weights(WeightUpdate(4, model=lambda: Decoder(TINY, rngs=nnx.Rngs(1))))
+    assert engine.weight_version == 4 and engine.generate([Request((5,), PARAMS)])[0].weight_version == 4
+    with pytest.raises(Exception, match="in memory"):
+        engine.update_weights(WeightUpdate(5, save_hf=lambda d: None))
+
+
+def groups_source(counter):
+    def next_group():
+        counter.append(len(counter))
+        return [Request((5, 6, 7 + len(counter) % 5), PARAMS, {"group": len(counter)}) for _ in range(2)]
+    return next_group
+
+
+def bump(engine, version):
+    engine.update_weights(WeightUpdate(version, model=lambda: Decoder(TINY, rngs=nnx.Rngs(version))))
+
+
+def test_sync_pipe_prefetches_nothing_and_serves_the_current_version(engine):
+    drawn = []
+    pipe = RolloutPipe(engine, groups_source(drawn), max_staleness=0)
+    groups = pipe.take(3, trainer_version=0)
+    assert len(groups) == 3 and all(len(g) == 2 and len({r.metadata["group"] for r in g}) == 1 for g in groups)
+    assert len(drawn) == 3
+    bump(engine, 1)
+    assert all(r.weight_version == 1 for g in pipe.take(3, trainer_version=1) for r in g) and len(drawn) == 6
+
+
+@pytest.mark.parametrize("keep_stale", [False, True])
+def test_groups_older_than_max_staleness_are_dropped_or_kept(engine, keep_stale):
+    drawn = []
+    pipe = RolloutPipe(engine, groups_source(drawn), max_staleness=1, keep_stale=keep_stale)
+    pipe.take(2, trainer_version=0)       # and 2 more prefetched at version 0
+    assert len(drawn) == 4
+    bump(engine, 2)
+    groups = pipe.take(2, trainer_version=2)  # the prefetched ones are 2 versions old
+    stats = pipe.stats.take()
+    if keep_stale:
+        assert stats["rollout/stale_kept"] == 2 and all(r.weight_version == 0 for g in groups for r in g)
+    else:
+        assert stats["rollout/stale_dropped"] == 2 and all(r.weight_version == 2 for g in groups for r in g)
+        assert len(drawn) == 8  # two replacements drawn, plus two prefetched for the next step
+    pipe.drain()
+
+
+def test_a_group_with_a_failure_is_replaced(engine):
+    drawn = []
+    inner = groups_source(drawn)
+
+    class Flaky:
+        """The embedded engine, except that the first group's second request fails."""
+
+        def __init__(self, engine):
+            self.engine, self.weight_version = engine, 0
+
+        async def stream(self, requests):
+            async for c in self.engine.stream(requests):
+                yield Failure(requests[1], "injected") if c.request_id == requests[1].request_id and \
+                    requests[1].metadata["group"] == 1 else c
+
+    flaky = EngineThread(Flaky(engine.engine))
+    try:
+        groups = RolloutPipe(flaky, inner).take(2, trainer_version=0)
+    finally:
+        flaky.stop_loop()
+    assert [g[0].metadata["group"] for g in groups] == [2, 3] and len(drawn) == 3
