@@ -24,6 +24,10 @@ from rollout_bridge.records import Completion, Failure, Request, Rollout
 T = TypeVar("T")
 
 
+class PipeError(RuntimeError):
+    """The pipe could not collect the groups asked for (every replacement failed too)."""
+
+
 class LoopThread:
     """An asyncio event loop running in a daemon thread, driven from synchronous code."""
 
@@ -92,7 +96,7 @@ class RolloutPipe:
     `version` on, submitting replacements for any it drops."""
 
     def __init__(self, engine: EngineThread, source: Callable[[], list[Request]], *, max_staleness: int = 0,
-                 keep_stale: bool = False, max_dropped: int = 1000):
+                 keep_stale: bool = False, max_dropped: int = 64):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.engine, self.source = engine, source
@@ -132,8 +136,8 @@ class RolloutPipe:
                 continue
             dropped += 1
             if dropped > self.max_dropped:
-                raise RuntimeError(f"dropped {dropped} groups in a row while collecting {n}; last failures: "
-                                   f"{self.stats.failures}")
+                raise PipeError(f"dropped {dropped} groups while collecting {n} (stale: {self.stats.stale_dropped}, "
+                                f"failed: {self.stats.failed_groups}); last failures: {self.stats.failures}")
             self._submit_group()
         if self.max_staleness > 0:
             while len(self._pending) < n:

@@ -5,6 +5,7 @@ after every step. An f32 server must agree with the f32 trainer's rescoring."""
 from __future__ import annotations
 
 import json
+import sys
 
 import yaml
 from sglang_setup import sglang_python
@@ -23,7 +24,7 @@ def test_ppo_loop_runs_against_launched_sglang_servers(tmp_path):
     path.write_text(yaml.safe_dump(config))
     run = tmp_path / "run"
     result = run_cli(["train", path, *TINY, *HEAD_DIM_128, "steps=2", "sft.steps=1", f"logging.run_dir={run}",
-                      "logging.eval_every=2", "data.eval_prompts_per_domain=8"])
+                      "logging.eval_every=2", "data.eval_prompts_per_domain=8", "checkpoint.every=2"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -35,3 +36,14 @@ def test_ppo_loop_runs_against_launched_sglang_servers(tmp_path):
     assert "eval/accuracy" in rows[-1]
     assert sorted(p.name for p in (run / "refit").iterdir()) == ["v0", "v1", "v2"]
     assert list((run / "sglang_logs").glob("server_*.log"))
+
+
+def test_a_server_that_will_not_start_stops_the_run_with_its_log(tmp_path):
+    crash = [sys.executable, "-c", "import sys; print('no such model: ' + sys.argv[1]); sys.exit(3)",
+             "{model_path}", "{port}"]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"rollout": {"engine": "sglang", "launch": {"command": crash}}}))
+    result = run_cli(["train", path, *TINY, "steps=1", "sft.steps=0", f"logging.run_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 1
+    assert "did not start" in result.output and "exited with code 3" in result.output
+    assert "no such model" in result.output

@@ -30,6 +30,10 @@ def test_mismatch_notebook(tmp_path, monkeypatch):
     noisy = summary["bf16 + weight noise 0.05 / none"]["abs_dlogp_mean"]
     assert 0 < bf16 < noisy
     assert (tmp_path / "curves.png").exists() and (tmp_path / "delta_logp_hist.png").exists()
+    # the real sglang-jax server: f32 agrees with the f32 trainer; bf16 differs, as the embedded bf16 does
+    server = json.loads((tmp_path / "server_summary.json").read_text())
+    assert server["sglang-jax f32"]["abs_dlogp"] < 1e-4 < server["sglang-jax bf16"]["abs_dlogp"]
+    assert server["embedded bf16"]["abs_dlogp"] > 1e-4 and server["sglang-jax bf16"]["refit_s"] > 0
 
 
 def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):

@@ -36,7 +36,8 @@ from opd_jax.train.engines import close_engine, engine_metrics, make_engine, wei
 from opd_jax.train.evaluate import evaluate
 from opd_jax.train.metrics import MetricsLog, plot_curves
 from opd_jax.train.sft import warm_start
-from rollout_bridge.pipe import RolloutPipe
+from rollout_bridge.pipe import PipeError, RolloutPipe
+from rollout_bridge.protocol import EngineError
 from rollout_bridge.records import Request, SamplingParams
 
 
@@ -91,9 +92,12 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     longest_prompt = max((len(encode(e)) for v in held_out.values() for e in v), default=64)
     sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                               top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=stops)
-    engine = make_engine(config, weight_update(config, policy, state.policy, tokenizer, start or 0),
-                         max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
-                         pad_id=tokenizer.pad_token_id or 0, refit_dir=run_dir / "refit")
+    try:
+        engine = make_engine(config, weight_update(config, policy, state.policy, tokenizer, start or 0),
+                             max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
+                             pad_id=tokenizer.pad_token_id or 0, refit_dir=run_dir / "refit")
+    except EngineError as e:
+        raise RunError(f"the rollout engine did not start: {e}") from None
     groups_drawn = [meta["groups_drawn"] if start is not None else 0]
     group_examples: dict[int, Example] = {}
 
@@ -125,7 +129,10 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
             log.log(0, run_eval(0), advance=False)
         for step in range(start or 0, config.steps):
             began = time.perf_counter()
-            groups = pipe.take(config.data.prompts_per_step, trainer_version=step)
+            try:
+                groups = pipe.take(config.data.prompts_per_step, trainer_version=step)
+            except PipeError as e:
+                raise RunError(f"step {step + 1}: {e}") from None
             rollout_s = time.perf_counter() - began
             rollouts = [r for g in groups for r in g]
             examples = [e for g in groups for e in [group_examples.pop(g[0].metadata["group"])] * len(g)]
@@ -146,7 +153,10 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
             if metrics["nonfinite_inputs"]:
                 raise RunError(f"step {step + 1}: {int(metrics['nonfinite_inputs'])} non-finite log-probs or values")
             refit_began = time.perf_counter()
-            engine.update_weights(weight_update(config, policy, state.policy, tokenizer, step + 1))
+            try:
+                engine.update_weights(weight_update(config, policy, state.policy, tokenizer, step + 1))
+            except EngineError as e:
+                raise RunError(f"step {step + 1}: weight refit failed: {e}") from None
             generated = sum(len(r.output_ids) for r in rollouts)
             metrics.update({"rollout/tokens_per_s": generated / max(rollout_s, 1e-9), "rollout/wait_s": rollout_s,
                             "rollout/refit_s": time.perf_counter() - refit_began,
