@@ -179,11 +179,9 @@ class SGLangEngine:
                             self.stats.interrupted += 1
                             attempts -= 1
                             continue
-                        if attempts > self.max_retries:
-                            self.stats.failures += 1
-                            return Failure(request, f"{e} (gave up after {attempts} attempts)", attempts)
-                        self.stats.retries += 1
-                        await asyncio.sleep(self._backoff(attempts))
+                        failure = await self._retry_or_fail(request, str(e), attempts)
+                        if failure is not None:
+                            return failure
                         continue
                     except api.ServerRejected as e:
                         self.stats.failures += 1
@@ -209,13 +207,21 @@ class SGLangEngine:
                             prefix_ids, prefix_logprobs, versions = (), (), []
                         continue
                     # an abort nobody asked for (the server shed the request): try again
-                    if attempts > self.max_retries:
-                        self.stats.failures += 1
-                        return Failure(request, f"{url}: aborted by the server: {out.abort_message}", attempts)
-                    self.stats.retries += 1
-                    await asyncio.sleep(self._backoff(attempts))
+                    failure = await self._retry_or_fail(request, f"{url}: aborted by the server: {out.abort_message}",
+                                                        attempts)
+                    if failure is not None:
+                        return failure
         finally:
             del self._flights[request.request_id]
+
+    async def _retry_or_fail(self, request: Request, error: str, attempts: int) -> Failure | None:
+        """After a failed attempt: back off and return None (try again), or give up."""
+        if attempts > self.max_retries:
+            self.stats.failures += 1
+            return Failure(request, f"{error} (gave up after {attempts} attempts)", attempts)
+        self.stats.retries += 1
+        await asyncio.sleep(self._backoff(attempts))
+        return None
 
     @staticmethod
     def _rollout(request: Request, ids, logprobs, finish, versions: list[int], began: float) -> Rollout:

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -85,3 +86,19 @@ def trainer_logprobs(model: Decoder, prompt: tuple[int, ...], output: tuple[int,
     graphdef, state = nnx.split(model)
     logp = _forward_logprobs(graphdef, state, jnp.asarray(tokens), jnp.float32(temperature or 1.0))
     return np.asarray(logp[0, len(prompt):len(ids)])
+
+
+async def collect(engine, requests) -> list:
+    """Every completion of one engine.stream call, in completion order."""
+    return [c async for c in engine.stream(requests)]
+
+
+def wait_for_tokens(engine, request_ids, timeout: float = 60.0) -> None:
+    """Until each request has streamed at least one token (so an abort or pause cuts it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        flights = [engine._flights.get(i) for i in request_ids]
+        if all(f is not None and f.partial is not None and f.partial.output_ids for f in flights):
+            return
+        time.sleep(0.05)
+    raise AssertionError("requests did not start streaming")

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 from fault_proxy import FaultProxy
-from sglang_setup import running_servers, save_tiny, tiny_model, trainer_logprobs
+from sglang_setup import collect, running_servers, save_tiny, tiny_model, trainer_logprobs, wait_for_tokens
 
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
@@ -86,37 +86,25 @@ def test_teacher_scoring_equals_the_trainers_logprobs(engine):
         np.testing.assert_allclose(got, ours, atol=1e-4)
 
 
-def _wait_for_tokens(engine: SGLangEngine, request_id: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        flight = engine._flights.get(request_id)
-        if flight is not None and flight.partial is not None and flight.partial.output_ids:
-            return
-        time.sleep(0.05)
-    raise AssertionError("no tokens streamed")
-
 
 def test_abort_mid_stream_ends_with_the_tokens_so_far(engine):
     long = Request(PROMPTS[2], SamplingParams(max_new_tokens=400, temperature=1.0))
-    future = engine.submit(_collect(engine.engine, [long]))
-    _wait_for_tokens(engine.engine, long.request_id)
+    future = engine.submit(collect(engine.engine, [long]))
+    wait_for_tokens(engine.engine, [long.request_id])
     engine.run(engine.engine.abort([long.request_id]))
     (rollout,) = future.result(60)
     assert rollout.finish_reason == "abort" and 0 < len(rollout.output_ids) < 400
     assert_matches_trainer(rollout, 1.0)
 
 
-async def _collect(engine, requests):
-    return [c async for c in engine.stream(requests)]
-
 
 def test_pause_holds_new_requests_and_resumes_interrupted_ones(engine):
     sglang = engine.engine
     long = Request(PROMPTS[3], SamplingParams(max_new_tokens=120, temperature=1.0))
-    in_flight = engine.submit(_collect(sglang, [long]))
-    _wait_for_tokens(sglang, long.request_id)
+    in_flight = engine.submit(collect(sglang, [long]))
+    wait_for_tokens(sglang, [long.request_id])
     engine.run(sglang.pause())
-    waiting = engine.submit(_collect(sglang, [Request(PROMPTS[4], SamplingParams(max_new_tokens=4))]))
+    waiting = engine.submit(collect(sglang, [Request(PROMPTS[4], SamplingParams(max_new_tokens=4))]))
     time.sleep(1.5)
     assert not waiting.done() and not in_flight.done()
     engine.run(sglang.resume())

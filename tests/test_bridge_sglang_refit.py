@@ -5,12 +5,10 @@ and a server killed mid-request is relaunched by supervision while its requests 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import numpy as np
 import pytest
-from sglang_setup import running_servers, save_tiny, tiny_model, trainer_logprobs
+from sglang_setup import collect, running_servers, save_tiny, tiny_model, trainer_logprobs, wait_for_tokens
 
 from rollout_bridge.protocol import EngineError, WeightUpdate
 from rollout_bridge.records import Request, Rollout, SamplingParams
@@ -27,18 +25,6 @@ def launched(tmp_path_factory):
         yield group, loop, root
 
 
-async def _collect(engine, requests):
-    return [c async for c in engine.stream(requests)]
-
-
-def _wait_for_tokens(engine, request_ids, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        flights = [engine._flights.get(i) for i in request_ids]
-        if all(f is not None and f.partial is not None and f.partial.output_ids for f in flights):
-            return
-        time.sleep(0.05)
-    raise AssertionError("requests did not start streaming")
 
 
 def test_restart_refit_serves_the_new_weights_under_the_new_version(launched):
@@ -46,15 +32,15 @@ def test_restart_refit_serves_the_new_weights_under_the_new_version(launched):
     engine = SGLangEngine(servers=group, refit="auto", refit_dir=root / "refit")
     # the engine's own thread would not host the group's supervision; share the group's loop
     long = [Request(p, SamplingParams(max_new_tokens=150, temperature=1.0)) for p in PROMPTS[:2]]
-    in_flight = loop.submit(_collect(engine, long))
-    _wait_for_tokens(engine, [r.request_id for r in long])
+    in_flight = loop.submit(collect(engine, long))
+    wait_for_tokens(engine, [r.request_id for r in long])
     update = WeightUpdate(1, save_hf=lambda d: save_tiny(d, 1))
     loop.run(engine.update_weights(update), timeout=600)
     assert engine.weight_version == 1 and engine.stats.refits == 1
     info = httpx.get(group.urls[0] + "/get_model_info").json()
     assert info["model_path"] == str((root / "refit" / "v1").resolve())
 
-    fresh = loop.run(_collect(engine, [Request(p, SamplingParams(max_new_tokens=10, temperature=0.7))
+    fresh = loop.run(collect(engine, [Request(p, SamplingParams(max_new_tokens=10, temperature=0.7))
                                        for p in PROMPTS]), timeout=300)
     for r in fresh:
         assert r.weight_version == 1
@@ -82,7 +68,7 @@ def test_refit_disk_mode_names_the_missing_endpoint(launched):
     with pytest.raises(EngineError, match="update_weights_from_disk"):
         loop.run(engine.update_weights(WeightUpdate(7, save_hf=lambda d: save_tiny(d, 0))), timeout=120)
     # the failed refit left the server running and generating
-    (r,) = loop.run(_collect(engine, [Request(PROMPTS[0], SamplingParams(max_new_tokens=3))]), timeout=120)
+    (r,) = loop.run(collect(engine, [Request(PROMPTS[0], SamplingParams(max_new_tokens=3))]), timeout=120)
     assert isinstance(r, Rollout) and engine.weight_version == 0
     loop.run(engine.close())
 
@@ -91,8 +77,8 @@ def test_a_server_killed_mid_request_is_relaunched_and_its_requests_retried(laun
     group, loop, _ = launched
     engine = SGLangEngine(servers=group, max_retries=50, backoff_s=0.5, max_backoff_s=2.0)
     requests = [Request(p, SamplingParams(max_new_tokens=100, temperature=1.0)) for p in PROMPTS]
-    future = loop.submit(_collect(engine, requests))
-    _wait_for_tokens(engine, [requests[0].request_id])
+    future = loop.submit(collect(engine, requests))
+    wait_for_tokens(engine, [requests[0].request_id])
     crashes = group.crashes()
     group.kill(group.urls[0])
     done = future.result(600)
