@@ -1,9 +1,12 @@
 """Configs: YAML plus dotted overrides into the typed schema; every error names the dotted key."""
 
+from pathlib import Path
+
 import pytest
 
 from opd_jax.config import ConfigError, load_config, save_config
 from opd_jax.core import MismatchCorrection, PPOConfig
+from rollout_bridge import sglang_jax
 
 
 def write(tmp_path, text):
@@ -64,3 +67,17 @@ def test_bad_files_are_named(tmp_path):
         load_config(write(tmp_path, "steps: [1, 2\n"))
     with pytest.raises(ConfigError, match="steps: Input should be a valid integer"):
         load_config(write(tmp_path, "steps: many\n"))
+
+
+def test_the_sglang_quickstart_launches_what_the_bridge_tests_launch():
+    config = load_config(Path(__file__).parents[1] / "configs" / "quickstart_sglang.yaml", [])
+    assert config.rollout.engine == "sglang" and config.rollout.launch.env == sglang_jax.ENV
+    assert config.rollout.launch.command == sglang_jax.command(".sglang-jax-venv/bin/python")
+    assert config.model.fresh.head_dim == 128  # sglang-jax's CPU attention needs it
+
+
+def test_sglang_engine_settings_are_checked():
+    with pytest.raises(ConfigError, match="exactly one of rollout.urls"):
+        load_config(None, ["rollout.engine=sglang"])
+    with pytest.raises(ConfigError, match="for engine 'sglang'"):
+        load_config(None, ["rollout.urls=[http://127.0.0.1:1]"])
