@@ -31,7 +31,7 @@ def test_restart_refit_serves_the_new_weights_under_the_new_version(launched):
     group, loop, root = launched
     engine = SGLangEngine(servers=group, refit="auto", refit_dir=root / "refit")
     # the engine's own thread would not host the group's supervision; share the group's loop
-    long = [Request(p, SamplingParams(max_new_tokens=150, temperature=1.0)) for p in PROMPTS[:2]]
+    long = [Request(p, SamplingParams(max_new_tokens=300, temperature=1.0)) for p in PROMPTS[:2]]
     in_flight = loop.submit(collect(engine, long))
     wait_for_tokens(engine, [r.request_id for r in long])
     update = WeightUpdate(1, save_hf=lambda d: save_tiny(d, 1))
@@ -50,7 +50,7 @@ def test_restart_refit_serves_the_new_weights_under_the_new_version(launched):
     # the rollouts the restart cut: resumed on the new server, tagged with both versions, each
     # token's logprob from the weights that sampled it
     for r in in_flight.result(300):
-        assert isinstance(r, Rollout) and len(r.output_ids) == 150
+        assert isinstance(r, Rollout) and len(r.output_ids) == 300
         assert r.weight_version == 0 and r.metadata["weight_versions"] == [0, 1]
         old = trainer_logprobs(OLD, r.prompt_ids, r.output_ids, 1.0)
         new = trainer_logprobs(NEW, r.prompt_ids, r.output_ids, 1.0)

@@ -12,7 +12,13 @@ from opd_jax.core.mismatch import (
                                    mismatch_weights,
                                    tis_weights,
 )
-from opd_jax.core.opd import full_reverse_kl, opd_advantages, reverse_kl_advantage, top_k_reverse_kl
+from opd_jax.core.opd import (
+    full_reverse_kl,
+    opd_advantages,
+    reverse_kl_advantage,
+    select_teacher,
+    top_k_reverse_kl,
+)
 from opd_jax.core.optim import OptimizerConfig, make_optimizer
 from opd_jax.core.ppo import (
                                    KLConfig,
@@ -29,5 +35,5 @@ __all__ = ["CORRECTION_KINDS", "BatchError", "KLConfig", "MismatchCorrection", "
            "PPOState", "RolloutBatch", "aggregate", "full_reverse_kl", "gae", "group_advantages", "icepop_weights",
            "kl_estimate", "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics",
            "mismatch_weights", "opd_advantages", "outcome_rewards", "policy_loss", "ppo_step", "reference_logprobs",
-           "reverse_kl_advantage", "score_batch", "sequence_logprobs", "sequence_values", "shift_right",
+           "reverse_kl_advantage", "score_batch", "select_teacher", "sequence_logprobs", "sequence_values", "shift_right",
            "tis_weights", "token_logprobs", "top_k_reverse_kl", "validate_batch", "value_loss", "whiten"]

@@ -67,3 +67,12 @@ def top_k_reverse_kl(student_logits: jax.Array, teacher_top_logprobs: jax.Array,
     log_t = jax.lax.stop_gradient(teacher_top_logprobs.astype(jnp.float32))
     log_t = log_t - jax.nn.logsumexp(log_t, axis=-1, keepdims=True)
     return jnp.sum(jnp.exp(log_s) * (log_s - log_t), axis=-1)
+
+
+def select_teacher(per_teacher: jax.Array, teacher_index: jax.Array) -> jax.Array:
+    """Each row's own teacher's values: out[b, t] = per_teacher[teacher_index[b], b, t].
+
+    per_teacher: [K, B, T] (K teachers' log-probs of the same tokens); teacher_index: int [B]."""
+    chex.assert_rank([per_teacher, teacher_index], [3, 1])
+    chex.assert_equal(per_teacher.shape[1], teacher_index.shape[0])
+    return jnp.take_along_axis(per_teacher, teacher_index[None, :, None], axis=0)[0]
