@@ -24,6 +24,12 @@ from rollout_bridge.records import Completion, Failure, Request, Rollout
 T = TypeVar("T")
 
 
+async def in_request_order(engine: Engine, requests: Sequence[Request]) -> list[Completion]:
+    """All of one `stream` call's completions, in the requests' order."""
+    done = {c.request_id: c async for c in engine.stream(requests)}
+    return [done[r.request_id] for r in requests]
+
+
 class PipeError(RuntimeError):
     """The pipe could not collect the groups asked for (every replacement failed too)."""
 
@@ -57,10 +63,7 @@ class EngineThread(LoopThread):
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """One Completion per request, in the requests' order."""
-        async def collect() -> list[Completion]:
-            done = {c.request_id: c async for c in self.engine.stream(requests)}
-            return [done[r.request_id] for r in requests]
-        return self.run(collect())
+        return self.run(in_request_order(self.engine, requests))
 
     def update_weights(self, update: WeightUpdate) -> None:
         self.run(self.engine.update_weights(update))
@@ -105,12 +108,7 @@ class RolloutPipe:
         self._pending: list[Any] = []  # futures of whole groups, oldest first
 
     def _submit_group(self) -> None:
-        requests = self.source()
-
-        async def run_group() -> list[Completion]:
-            done = {c.request_id: c async for c in self.engine.engine.stream(requests)}
-            return [done[r.request_id] for r in requests]
-        self._pending.append(self.engine.submit(run_group()))
+        self._pending.append(self.engine.submit(in_request_order(self.engine.engine, self.source())))
 
     def take(self, n: int, trainer_version: int) -> list[list[Rollout]]:
         """n complete groups; then (if max_staleness > 0) n more are submitted to generate while

@@ -17,7 +17,7 @@ import numpy as np
 
 from opd_jax.config import TrainConfig, save_config
 from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch, validate_batch
-from opd_jax.data import Example, eval_prompts, take, train_prompts
+from opd_jax.data import eval_prompts, take, train_prompts
 from opd_jax.models import save_model
 from opd_jax.parallel import (
     batch_shardings,
@@ -99,7 +99,6 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     except EngineError as e:
         raise RunError(f"the rollout engine did not start: {e}") from None
     groups_drawn = [meta["groups_drawn"] if start is not None else 0]
-    group_examples: dict[int, Example] = {}
 
     def next_group() -> list[Request]:
         """G requests of the next prompt; each sample's seed follows from the run seed and its
@@ -107,9 +106,9 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
         (example,) = take(prompts, 1)
         index = groups_drawn[0]
         groups_drawn[0] += 1
-        group_examples[index] = example
         ids = encode(example)
-        return [Request(ids, sampling, {"domain": example.domain, "group": index},
+        # the example rides along in the metadata (engines copy it onto the rollout, never send it)
+        return [Request(ids, sampling, {"domain": example.domain, "group": index, "example": example},
                         seed=(config.seed * 1_000_003 + index * group + j) % 2**31) for j in range(group)]
 
     pipe = RolloutPipe(engine, next_group, max_staleness=rollout.max_staleness, keep_stale=rollout.keep_stale)
@@ -135,7 +134,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
                 raise RunError(f"step {step + 1}: {e}") from None
             rollout_s = time.perf_counter() - began
             rollouts = [r for g in groups for r in g]
-            examples = [e for g in groups for e in [group_examples.pop(g[0].metadata["group"])] * len(g)]
+            examples = [r.metadata["example"] for r in rollouts]
             try:
                 rewards = score_rollouts(rollouts, examples, tokenizer, reward_fn)
             except RewardError as e:
