@@ -31,7 +31,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, *, with_entropy: bool =
 
 
 def shift_right(x: jax.Array) -> jax.Array:
-    """x[:, t−1] at position t and 0 at t = 0: a per-position output (e.g. the critic's value of
-    the prefix up to t−1) aligned with the token it comes before."""
-    chex.assert_rank(x, 2)
-    return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+    """x[:, t−1] at position t and 0 at t = 0: a per-position output (the critic's value of the
+    prefix up to t−1 [B, T], or the logits of the next token [B, T, V]) aligned with the token it
+    comes before."""
+    chex.assert_rank(x, {2, 3})
+    return jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))

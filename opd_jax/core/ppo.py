@@ -9,9 +9,8 @@ weights (IcePop by default) from θ_old vs engine log-probs, then `epochs` passe
 `minibatches` mini-batches, each one optimizer update of the policy (clipped surrogate) and of
 the critic (clipped value loss), with gradients summed over `microbatches` micro-batches so the
 update equals the mini-batch's exactly. Mini-batch j holds rows j, j+M, j+2M, ... (micro-batches
-likewise), so a batch sharded over rows stays evenly spread over the devices in every slice;
-shuffle rows before the step if you want random mini-batches. An update whose gradients are not
-finite is skipped (params and optimizer state kept) and counted in the metrics. During the first
+likewise; see `opd_jax.core.update`). An update whose gradients are not finite is skipped
+(params and optimizer state kept) and counted in the metrics. During the first
 `value_warmup_steps` steps only the critic trains (VAPO's value pretraining).
 
 Nothing here jits or shards: the caller jits `functools.partial(ppo_step, config=...)` with the
@@ -21,7 +20,7 @@ shardings from `opd_jax.parallel` and donates the state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Literal
 
 import flax.struct
 import jax
@@ -34,6 +33,7 @@ from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.losses import Aggregation, KLKind, aggregate, kl_estimate, loss_denominator, policy_loss, value_loss
 from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
+from opd_jax.core.update import accumulate_grads, apply_update, map_rows, scan_or_call, split_rows
 from opd_jax.models import Decoder, ValueModel
 
 
@@ -176,24 +176,6 @@ def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
     return shift_right(values)
 
 
-def split_rows(x: jax.Array, n: int) -> jax.Array:
-    """[B, ...] -> [n, B/n, ...], slice j holding rows j, j+n, j+2n, ... (strided, see module doc)."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
-
-
-def merge_rows(x: jax.Array) -> jax.Array:
-    """Inverse of split_rows: [n, B/n, ...] -> [B, ...]."""
-    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
-
-
-def _map_rows(fn, tree: Any, n: int) -> Any:
-    """fn over n strided row slices of tree, one after the other (bounded memory), outputs merged."""
-    if n == 1:
-        return fn(tree)
-    out = jax.lax.map(fn, jax.tree.map(lambda x: split_rows(x, n), tree))
-    return jax.tree.map(merge_rows, out)
-
-
 def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
                 temperature: float = 1.0) -> RolloutBatch:
     """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature) and
@@ -202,7 +184,7 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
         logp, _ = sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature)
         return logp, sequence_values(state.critic_def, state.critic, b)
 
-    logp_old, old_values = _map_rows(score, batch, microbatches)
+    logp_old, old_values = map_rows(score, batch, microbatches)
     m = batch.response_mask.astype(jnp.float32)
     return batch.replace(logp_old=logp_old * m, old_values=old_values * m)
 
@@ -210,7 +192,7 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
 def reference_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                        microbatches: int = 1) -> jax.Array:
     """Per-token log-probs under a frozen reference policy, for the KL term; zero off the mask."""
-    logp = _map_rows(lambda b: sequence_logprobs(graphdef, params, b)[0], batch, microbatches)
+    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b)[0], batch, microbatches)
     return logp * batch.response_mask.astype(jnp.float32)
 
 
@@ -225,61 +207,6 @@ class _Targets:
     advantages: jax.Array
     returns: jax.Array
     weights: jax.Array
-
-
-# Loss terms already divided by the whole mini-batch's normalizer: their micro-batch values add up.
-_ADDITIVE = ("loss", "total_loss", "entropy", "kl_loss", "loss_sum", "token_count")
-
-
-def _weighted_metrics(per_micro: dict[str, jax.Array], counts: jax.Array) -> dict[str, jax.Array]:
-    """Combine micro-batch metrics as one batch would: sums add, maxima max, means by tokens."""
-    total = jnp.maximum(jnp.sum(counts), 1.0)
-    out = {}
-    for name, values in per_micro.items():
-        if name in _ADDITIVE:
-            out[name] = jnp.sum(values)
-        elif name.endswith("_max"):
-            out[name] = jnp.max(values)
-        else:
-            out[name] = jnp.sum(values * counts) / total
-    return out
-
-
-def _scan(body, carry, xs, length: int):
-    """lax.scan, but a single iteration is a plain call: XLA optimises a loop body less well."""
-    if length > 1:
-        return jax.lax.scan(body, carry, xs, length=length)
-    carry, out = body(carry, jax.tree.map(lambda x: x[0], xs))
-    return carry, jax.tree.map(lambda y: y[None], out)
-
-
-def _accumulate(loss_fn, params: nnx.State, targets: _Targets, microbatches: int) -> tuple[Any, dict[str, jax.Array]]:
-    """Σ over `microbatches` strided slices of `targets` of grad(loss_fn), and their metrics."""
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-    if microbatches == 1:
-        return grad_fn(params, targets)
-
-    def body(grad_sum, one):
-        grads, metrics = grad_fn(params, one)
-        return jax.tree.map(jnp.add, grad_sum, grads), metrics
-
-    micro = jax.tree.map(lambda x: split_rows(x, microbatches), targets)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, metrics = jax.lax.scan(body, zeros, micro)
-    counts = jnp.sum(micro.mask, axis=(1, 2))
-    return grads, _weighted_metrics(metrics, counts)
-
-
-def _apply(tx: optax.GradientTransformation, params: nnx.State, opt_state: Any, grads: Any
-           ) -> tuple[nnx.State, Any, dict[str, jax.Array]]:
-    """One optimizer update, skipped (state kept) when any gradient is NaN/inf."""
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(grad_norm)
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    return keep(new_params, params), keep(new_opt, opt_state), {
-        "grad_norm": grad_norm, "skipped_nonfinite": 1.0 - finite.astype(jnp.float32)}
 
 
 def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config: PPOConfig):
@@ -305,8 +232,8 @@ def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config
         metrics["total_loss"] = jax.lax.stop_gradient(loss)
         return loss, metrics
 
-    grads, metrics = _accumulate(loss_fn, params, targets, config.microbatches)
-    params, opt_state, apply_metrics = _apply(state.policy_tx, params, opt_state, grads)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
+    params, opt_state, apply_metrics = apply_update(state.policy_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
 
@@ -319,8 +246,8 @@ def _critic_update(state: PPOState, params, opt_state, targets: _Targets, config
                                    normalizer=normalizer)
         return loss, {**metrics, "loss": jax.lax.stop_gradient(loss)}
 
-    grads, metrics = _accumulate(loss_fn, params, targets, config.microbatches)
-    params, opt_state, apply_metrics = _apply(state.critic_tx, params, opt_state, grads)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
+    params, opt_state, apply_metrics = apply_update(state.critic_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
 
@@ -389,10 +316,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig) -> tupl
         return (policy, policy_opt, critic, critic_opt), metrics
 
     def epoch(carry, _):
-        return _scan(update, carry, minibatches, config.minibatches)
+        return scan_or_call(update, carry, minibatches, config.minibatches)
 
     carry = (state.policy, state.policy_opt, state.critic, state.critic_opt)
-    (policy, policy_opt, critic, critic_opt), per_update = _scan(epoch, carry, None, config.epochs)
+    (policy, policy_opt, critic, critic_opt), per_update = scan_or_call(epoch, carry, None, config.epochs)
     metrics = {name: jnp.max(v) if name.endswith("_max") else jnp.mean(v) for name, v in per_update.items()}
     metrics.update(stats)
     metrics["policy/trained"] = train_policy.astype(jnp.float32)

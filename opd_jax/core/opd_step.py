@@ -1,0 +1,269 @@
+"""The OPD merge step: the student trained toward each prompt's own domain teacher, one pure
+function of (state, batch), jitted and sharded by its caller like the PPO step.
+
+    score the student:  batch.rollout.logp_old = θ_old log-probs (`policy_logprobs`)
+    score the teachers: `teacher_scores` per teacher on its own rows (the shell routes them)
+    opd_step(state, batch) -> (state, metrics)
+
+Losses (`OPDConfig.loss`):
+- "sampled" (GLM-5 §3.5, Thinking Machines): Â_t = sg[log π_t(y_t) − log π_old(y_t)] through the
+  clipped surrogate with the mismatch weights (IcePop by default), plus α·Â^ORM (MiMo MOPD) when
+  reward_alpha > 0, Â^ORM the group-baseline advantage of the task reward.
+- "full": the reverse KL over the whole vocabulary at each response position, Σ_v π_s log(π_s/π_t),
+  minimised directly (teachers must be local: the step needs the teacher's whole distribution).
+- "top_k": the same on the teacher's top-k tokens, both distributions renormalised there.
+For "full" and "top_k" each position's KL is multiplied by the same mismatch weight, and
+α > 0 adds α × the clipped surrogate of Â^ORM.
+
+`epochs` × `minibatches` updates, gradients summed over `microbatches`, updates with non-finite
+gradients skipped, exactly as in `ppo_step` (shared machinery in `opd_jax.core.update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from opd_jax.core.advantages import group_advantages
+from opd_jax.core.batch import RolloutBatch
+from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.losses import Aggregation, aggregate, loss_denominator, policy_loss
+from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
+from opd_jax.core.opd import full_reverse_kl, reverse_kl_advantage, top_k_reverse_kl
+from opd_jax.core.state import PolicyState
+from opd_jax.core.update import accumulate_grads, apply_update, map_rows, scan_or_call, split_rows
+
+DistillLoss = Literal["sampled", "full", "top_k"]
+DISTILL_LOSSES: tuple[str, ...] = DistillLoss.__args__  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class OPDConfig:
+    """Every knob of the OPD step. `group_size` (samples per prompt, for the reward advantage) and
+    `num_teachers` (for the per-teacher metrics) are set by the caller from the run; `temperature`
+    is the student engine's sampling temperature (student and teachers are scored at it)."""
+
+    loss: DistillLoss = "sampled"
+    top_k: int = 32
+    reward_alpha: float = 0.0
+    grpo_normalize_std: bool = True
+    group_size: int = 1
+    num_teachers: int = 1
+    temperature: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    loss_agg: Aggregation = "token-mean"
+    mismatch: MismatchCorrection = MismatchCorrection()
+    epochs: int = 1
+    minibatches: int = 1
+    microbatches: int = 1
+    layer_unroll: int | bool = True
+
+    def __post_init__(self):
+        if self.loss not in DISTILL_LOSSES:
+            raise ValueError(f"unknown OPD loss {self.loss!r}; use one of {', '.join(DISTILL_LOSSES)}")
+        for name in ("top_k", "group_size", "num_teachers", "epochs", "minibatches", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.reward_alpha < 0:
+            raise ValueError(f"reward_alpha must be >= 0, got {self.reward_alpha}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (greedy rollouts score at 1.0), got {self.temperature}")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+            raise ValueError(f"unknown loss_agg {self.loss_agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if self.reward_alpha > 0 and batch_size % self.group_size:
+            raise ValueError(f"batch of {batch_size} samples is not a whole number of groups of {self.group_size}")
+        rows = self.minibatches * self.microbatches
+        if batch_size % rows:
+            raise ValueError(f"batch of {batch_size} samples does not split into {self.minibatches} mini-batches"
+                             f" x {self.microbatches} micro-batches")
+
+
+@flax.struct.dataclass
+class DistillBatch:
+    """The student's rollouts and what their teachers said of them. Per-token arrays are aligned
+    with rollout.tokens, as in RolloutBatch: logp_teacher[b, t] = log π_teacher(tokens[b, t] |
+    tokens[b, :t]); teacher_logprobs[b, t] is the teacher's distribution over that same token
+    (top-k of it with teacher_ids, or the whole vocabulary when teacher_ids is None).
+
+    rollout: with logp_old filled (the student's θ_old at the sampling temperature);
+    teacher_index: int32 [B], the teacher of each row (its domain's); logp_teacher: [B, T];
+    teacher_logprobs, teacher_ids: [B, T, K] (loss "top_k") or teacher_logprobs [B, T, V] ("full")."""
+
+    rollout: RolloutBatch
+    teacher_index: jax.Array
+    logp_teacher: jax.Array
+    teacher_logprobs: jax.Array | None = None
+    teacher_ids: jax.Array | None = None
+
+
+# --- forward passes -------------------------------------------------------------------------
+
+def _logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, temperature: float,
+            unroll: int | bool = 1) -> jax.Array:
+    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                         attention_mask=batch.attention_mask, unroll=unroll)
+    return logits.astype(jnp.float32) / temperature
+
+
+def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
+                    microbatches: int = 1) -> jax.Array:
+    """log π(tokens[b, t] | tokens[b, :t]) at softmax(logits / temperature), zero off the
+    response mask, in `microbatches` slices: the student's θ_old pass."""
+    logp = map_rows(lambda b: token_logprobs(_logits(graphdef, params, b, temperature), b.tokens)[0], batch,
+                    microbatches)
+    return logp * batch.response_mask.astype(jnp.float32)
+
+
+def score_student(state: PolicyState, batch: RolloutBatch, *, temperature: float = 1.0,
+                  microbatches: int = 1) -> RolloutBatch:
+    """The batch with logp_old filled in: the student's θ_old = state.params (see policy_logprobs)."""
+    return batch.replace(logp_old=policy_logprobs(state.graphdef, state.params, batch, temperature=temperature,
+                                                  microbatches=microbatches))
+
+
+def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, loss: DistillLoss,
+                   top_k: int = 32, temperature: float = 1.0, microbatches: int = 1) -> dict[str, jax.Array]:
+    """What one teacher says of the rows in `batch`, zero off the response mask:
+
+        logp_teacher[b, t]      = log π_t(tokens[b, t] | tokens[b, :t])            always
+        teacher_logprobs[b, t]  = log π_t(· | tokens[b, :t]) over the vocabulary    loss "full"
+        (teacher_logprobs, teacher_ids)[b, t] = its top_k entries                   loss "top_k"
+
+    π_t = softmax(teacher logits / temperature). Keys are DistillBatch's field names."""
+    def one(b: RolloutBatch) -> dict[str, jax.Array]:
+        logits = _logits(graphdef, params, b, temperature)
+        m = b.response_mask.astype(jnp.float32)
+        out = {"logp_teacher": token_logprobs(logits, b.tokens)[0] * m}
+        if loss != "sampled":
+            dist = jax.nn.log_softmax(shift_right(logits), axis=-1) * m[..., None]
+            if loss == "full":
+                out["teacher_logprobs"] = dist
+            else:
+                values, ids = jax.lax.top_k(dist, top_k)
+                out["teacher_logprobs"], out["teacher_ids"] = values, ids.astype(jnp.int32)
+        return out
+    return map_rows(one, batch, microbatches)
+
+
+# --- the step -------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class _Targets:
+    batch: DistillBatch
+    mask: jax.Array
+    weights: jax.Array
+    advantages: jax.Array  # "sampled": distillation + α·reward advantage; else α·reward advantage
+
+
+def _check(batch: DistillBatch, config: OPDConfig) -> None:
+    rollout = batch.rollout
+    if rollout.logp_old is None:
+        raise ValueError("opd_step needs batch.rollout.logp_old: score the student with policy_logprobs first")
+    chex.assert_equal_shape([rollout.tokens, batch.logp_teacher],
+                            custom_message="opd_step: logp_teacher must be [B, T] like the tokens")
+    chex.assert_shape(batch.teacher_index, rollout.tokens.shape[:1],
+                      custom_message="opd_step: teacher_index must hold one teacher per row")
+    if config.loss != "sampled":
+        if batch.teacher_logprobs is None:
+            raise ValueError(f"loss {config.loss!r} needs batch.teacher_logprobs (local teachers' distributions)")
+        chex.assert_equal_shape_prefix([rollout.tokens, batch.teacher_logprobs], 2)
+    if config.loss == "top_k" and batch.teacher_ids is None:
+        raise ValueError("loss 'top_k' needs batch.teacher_ids")
+    config.check_batch_size(rollout.tokens.shape[0])
+
+
+def _targets(batch: DistillBatch, config: OPDConfig) -> tuple[_Targets, dict[str, jax.Array]]:
+    rollout = batch.rollout
+    m = rollout.response_mask.astype(jnp.float32)
+    weights = mismatch_weights(rollout.logp_old, rollout.logp_infer, m, config.mismatch)
+    distill = reverse_kl_advantage(batch.logp_teacher, rollout.logp_old, m)  # −(sampled reverse KL) per token
+    reward = jnp.zeros_like(m)
+    if config.reward_alpha > 0:
+        reward = group_advantages(rollout.rewards, config.group_size, config.grpo_normalize_std)[:, None] * m
+    advantages = config.reward_alpha * reward + (distill if config.loss == "sampled" else 0.0)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    row_tokens = jnp.sum(m, axis=1)
+    # per-teacher mean of the sampled reverse KL, log π_old − log π_teacher, over its rows' tokens
+    onehot = jax.nn.one_hot(batch.teacher_index, config.num_teachers, dtype=jnp.float32)  # [B, K]
+    per_teacher_kl = (onehot.T @ -jnp.sum(distill, axis=1)) / jnp.maximum(onehot.T @ row_tokens, 1.0)
+    token_inputs = [rollout.logp_infer, rollout.logp_old, batch.logp_teacher]
+    stats = {
+        "nonfinite_inputs": jnp.sum(~jnp.isfinite(rollout.rewards)).astype(jnp.float32)
+        + sum(jnp.sum((m > 0) & ~jnp.isfinite(x)) for x in token_inputs).astype(jnp.float32),
+        "reward_mean": jnp.mean(rollout.rewards.astype(jnp.float32)),
+        "response_length_mean": jnp.mean(row_tokens),
+        "opd/reverse_kl": -jnp.sum(distill) / n,
+        **{f"opd/reverse_kl/teacher{k}": per_teacher_kl[k] for k in range(config.num_teachers)},
+        **mismatch_metrics(rollout.logp_old, rollout.logp_infer, m),
+    }
+    return _Targets(batch=batch, mask=m, weights=weights, advantages=advantages), stats
+
+
+def _update(state: PolicyState, params: nnx.State, opt_state, targets: _Targets, config: OPDConfig):
+    normalizer = loss_denominator(targets.mask, config.loss_agg)
+    surrogate = config.loss == "sampled" or config.reward_alpha > 0
+
+    def loss_fn(p, t: _Targets):
+        rollout = t.batch.rollout
+        logits = _logits(state.graphdef, p, rollout, config.temperature, config.layer_unroll)
+        logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
+        loss = jnp.zeros(())
+        metrics = {}
+        if surrogate:
+            loss, metrics = policy_loss(logp, rollout.logp_old, t.advantages, t.mask, eps_low=config.eps_low,
+                                        eps_high=config.eps_high, dual_clip=config.dual_clip, weights=t.weights,
+                                        agg=config.loss_agg, normalizer=normalizer)
+        if config.loss != "sampled":
+            student = shift_right(logits)
+            if config.loss == "full":
+                kl = full_reverse_kl(student, t.batch.teacher_logprobs)
+            else:
+                kl = top_k_reverse_kl(student, t.batch.teacher_logprobs, t.batch.teacher_ids)
+            distill, _, _ = aggregate(t.weights * kl, t.mask, config.loss_agg, normalizer)
+            metrics = {**metrics, "distill_loss": jax.lax.stop_gradient(distill)}
+            if surrogate:
+                metrics["reward_loss"] = jax.lax.stop_gradient(loss)
+            loss = loss + distill
+        entropy_mean, _, _ = aggregate(entropy, t.mask, config.loss_agg, normalizer)
+        return loss, {**metrics, "loss": jax.lax.stop_gradient(loss), "entropy": jax.lax.stop_gradient(entropy_mean)}
+
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
+    params, opt_state, apply_metrics = apply_update(state.tx, params, opt_state, grads)
+    return params, opt_state, {**metrics, **apply_metrics}
+
+
+def opd_step(state: PolicyState, batch: DistillBatch, *, config: OPDConfig) -> tuple[PolicyState, dict[str, jax.Array]]:
+    """One OPD iteration on a scored batch (see the module docstring). Metrics are averaged over
+    the epochs × mini-batches updates (maxima kept): "student/*" from the updates, and batch
+    statistics: the sampled reverse KL to the teachers ("opd/reverse_kl", and per teacher
+    "opd/reverse_kl/teacher<k>"), reward, length, mismatch."""
+    _check(batch, config)
+    targets, stats = _targets(batch, config)
+    minibatches = jax.tree.map(lambda x: split_rows(x, config.minibatches), targets)
+
+    def update(carry, mb: _Targets):
+        params, opt_state = carry
+        params, opt_state, metrics = _update(state, params, opt_state, mb, config)
+        return (params, opt_state), {f"student/{k}": v for k, v in metrics.items()}
+
+    def epoch(carry, _):
+        return scan_or_call(update, carry, minibatches, config.minibatches)
+
+    (params, opt_state), per_update = scan_or_call(epoch, (state.params, state.opt), None, config.epochs)
+    metrics = {name: jnp.max(v) if name.endswith("_max") else jnp.mean(v) for name, v in per_update.items()}
+    metrics.update(stats)
+    return state.replace(step=state.step + 1, params=params, opt=opt_state), metrics

@@ -1,0 +1,207 @@
+"""The OPD step against reference updates written from the formulas (sampled-token reverse KL
+through the clipped IcePop surrogate, MOPD reward mixing, full-vocabulary and top-k reverse KL),
+the teachers' scoring pass against a plain forward, micro-batching, and the masked-token
+property."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ppo_setup import TINY, assert_updates_close, rollout_batch
+
+from opd_jax.core import MismatchCorrection
+from opd_jax.core.opd_step import DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
+from opd_jax.core.state import PolicyState
+from opd_jax.models import Decoder
+
+T_SAMPLE = 0.7  # the student's sampling temperature: student and teachers score at it
+
+
+def host(x):
+    return np.asarray(x, np.float64)
+
+
+def setup(tx, seed=0, teachers=2, B=16):
+    """A student state, `teachers` teachers that differ from it and from each other, and a
+    scored ragged batch whose rows are routed to them in turn; engine log-probs are the student's
+    plus noise, so IcePop masks some tokens."""
+    student = Decoder(TINY, rngs=nnx.Rngs(seed))
+    models = [Decoder(TINY, rngs=nnx.Rngs(seed + 10 + k)) for k in range(teachers)]
+    state = PolicyState.create(student, tx)
+    batch = score_student(state, rollout_batch(seed, B=B), temperature=T_SAMPLE)
+    noise = np.random.default_rng(seed + 1).normal(scale=0.4, size=batch.tokens.shape).astype(np.float32)
+    batch = batch.replace(logp_infer=jnp.minimum(batch.logp_old + noise, 0.0) * batch.response_mask,
+                          rewards=jnp.asarray(np.random.default_rng(seed + 2).integers(0, 2, B).astype(np.float32)))
+    index = np.arange(B) % teachers
+    return state, batch, models, index
+
+
+def distill_batch(batch, models, index, loss, top_k=8):
+    """Each row scored by its own teacher (every teacher scores every row; rows are picked)."""
+    per = [teacher_scores(*nnx.split(m, nnx.Param), batch, loss=loss, top_k=top_k, temperature=T_SAMPLE)
+           for m in models]
+    fields = {name: np.stack([host(p[name]) for p in per])[index, np.arange(len(index))] for name in per[0]}
+    if "teacher_ids" in fields:
+        fields["teacher_ids"] = fields["teacher_ids"].astype(np.int32)
+    return DistillBatch(rollout=batch, teacher_index=jnp.asarray(index, jnp.int32),
+                        **{k: jnp.asarray(v.astype(np.int32 if k == "teacher_ids" else np.float32))
+                           for k, v in fields.items()})
+
+
+def log_softmax(x):
+    return x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+
+
+def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr):
+    """One SGD step on the OPD objective, written from the formulas with plain jnp."""
+    r = batch.rollout
+    m = r.response_mask
+    lold, linf = r.logp_old, r.logp_infer
+    k = jnp.exp(lold - linf)
+    w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * m  # IcePop, β = 2
+    rewards = r.rewards.reshape(-1, config.group_size)
+    group = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
+    reward_adv = config.reward_alpha * group[:, None] * m
+    advantages = reward_adv + ((batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
+    positions = r.positions
+
+    def objective(params):
+        logits = nnx.merge(state.graphdef, params)(r.tokens, positions=positions, attention_mask=r.attention_mask)
+        logits = logits / config.temperature
+        prev = log_softmax(logits[:, :-1])  # predicts tokens 1..T-1
+        logp = jnp.pad(jnp.take_along_axis(prev, r.tokens[:, 1:, None], -1)[..., 0], ((0, 0), (1, 0)))
+        ratio = jnp.exp(logp - lold)
+        surrogate = -w * jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1.28) * advantages)
+        loss = jnp.sum(surrogate * m) / jnp.sum(m) if (config.loss == "sampled" or config.reward_alpha) else 0.0
+        if config.loss != "sampled":
+            ls = jnp.pad(prev, ((0, 0), (1, 0), (0, 0)))
+            if config.loss == "full":
+                lt = batch.teacher_logprobs
+            else:  # both renormalised on the teacher's top-k tokens
+                ls = jnp.take_along_axis(ls, batch.teacher_ids, -1)
+                ls, lt = log_softmax(ls), log_softmax(batch.teacher_logprobs)
+            kl = jnp.sum(jnp.exp(ls) * (ls - lt), -1)
+            loss = loss + jnp.sum(w * kl * m) / jnp.sum(m)
+        return loss
+
+    grads = jax.grad(objective)(state.params)
+    return jax.tree.map(lambda p, g: p - lr * g, state.params, grads)
+
+
+VARIANTS = {
+    "sampled (GLM-5)": OPDConfig(temperature=T_SAMPLE, num_teachers=2),
+    "sampled + reward (MOPD)": OPDConfig(temperature=T_SAMPLE, num_teachers=2, reward_alpha=0.5, group_size=4),
+    "full vocabulary": OPDConfig(loss="full", temperature=T_SAMPLE, num_teachers=2),
+    "top-k + reward": OPDConfig(loss="top_k", top_k=8, temperature=T_SAMPLE, num_teachers=2, reward_alpha=0.3,
+                                group_size=4),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_step_matches_reference_sgd_update(name):
+    config, lr = VARIANTS[name], 0.05
+    state, batch, models, index = setup(optax.sgd(lr))
+    distill = distill_batch(batch, models, index, config.loss, config.top_k)
+    new, metrics = jax.jit(functools.partial(opd_step, config=config))(state, distill)
+    assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr), state.params)
+    assert int(new.step) == 1
+    # the per-teacher reverse KL: mean of log π_old − log π_teacher over each teacher's tokens
+    m, gap = host(batch.response_mask), host(batch.logp_old) - host(distill.logp_teacher)
+    for k in range(2):
+        rows = index == k
+        np.testing.assert_allclose(float(metrics[f"opd/reverse_kl/teacher{k}"]), (gap[rows] * m[rows]).sum() / m[rows].sum(),
+                                   rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["opd/reverse_kl"]), (gap * m).sum() / m.sum(), rtol=1e-5)
+    if config.loss == "sampled" or config.reward_alpha:  # the first update: still θ_old, so r = 1 exactly
+        np.testing.assert_allclose(float(metrics["student/ratio_mean"]), 1.0, atol=1e-6)
+    else:
+        assert "student/ratio_mean" not in metrics and float(metrics["student/distill_loss"]) > 0
+
+
+def test_teacher_scores_match_a_plain_forward():
+    state, batch, models, _ = setup(optax.sgd(0.1))
+    teacher = models[0]
+    logits = host(teacher(batch.tokens, attention_mask=batch.attention_mask)) / T_SAMPLE  # right padding
+    logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    tokens, m = np.asarray(batch.tokens), host(batch.response_mask)
+    dist = np.zeros_like(logsm)
+    dist[:, 1:] = logsm[:, :-1]
+    expected = np.take_along_axis(dist, tokens[..., None], -1)[..., 0] * m
+    graphdef, params = nnx.split(teacher, nnx.Param)
+    full = teacher_scores(graphdef, params, batch, loss="full", temperature=T_SAMPLE, microbatches=4)
+    np.testing.assert_allclose(host(full["logp_teacher"]), expected, atol=2e-5)
+    np.testing.assert_allclose(host(full["teacher_logprobs"]), dist * m[..., None], atol=2e-5)
+    top = teacher_scores(graphdef, params, batch, loss="top_k", top_k=5, temperature=T_SAMPLE)
+    on = m > 0
+    np.testing.assert_allclose(host(top["teacher_logprobs"])[on], -np.sort(-dist, -1)[..., :5][on], atol=2e-5)
+    ids = np.asarray(top["teacher_ids"])[on]
+    np.testing.assert_allclose(np.take_along_axis(dist[on], ids, -1), host(top["teacher_logprobs"])[on], atol=2e-5)
+
+
+@pytest.mark.parametrize("loss", ["sampled", "full"])
+def test_micro_batches_and_mini_batches(loss):
+    tx = optax.adam(1e-2)
+    state, batch, models, index = setup(tx)
+    distill = distill_batch(batch, models, index, loss)
+    base = OPDConfig(loss=loss, temperature=T_SAMPLE, num_teachers=2, epochs=2, minibatches=2,
+                     loss_agg="seq-mean-token-mean")
+    one, m1 = jax.jit(functools.partial(opd_step, config=base))(state, distill)
+    many, m4 = jax.jit(functools.partial(opd_step, config=dataclasses.replace(base, microbatches=4)))(state, distill)
+    assert_updates_close(many.params, one.params, state.params, rtol=2e-3)
+    np.testing.assert_allclose(float(m4["student/loss"]), float(m1["student/loss"]), rtol=1e-4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), loss=st.sampled_from(["sampled", "full"]))
+def test_masked_tokens_get_no_gradient(seed, loss):
+    """Whatever the teachers say about tokens outside the response mask (prompt, padding), the
+    update is the same."""
+    state, batch, models, index = setup(optax.sgd(0.1))
+    distill = distill_batch(batch, models, index, loss)
+    rng = np.random.default_rng(seed)
+    off = 1.0 - host(batch.response_mask)
+    scrambled = distill.replace(logp_teacher=distill.logp_teacher - jnp.asarray(off * rng.exponential(5, off.shape),
+                                                                                jnp.float32))
+    if loss == "full":
+        junk = rng.normal(scale=3, size=distill.teacher_logprobs.shape)
+        scrambled = scrambled.replace(teacher_logprobs=distill.teacher_logprobs
+                                      + jnp.asarray(off[..., None] * junk, jnp.float32))
+    step = jax.jit(functools.partial(opd_step, config=OPDConfig(loss=loss, temperature=T_SAMPLE, num_teachers=2)))
+    a, _ = step(state, distill)
+    b, _ = step(state, scrambled)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_full_reverse_kl_moves_the_student_to_its_teachers():
+    """Repeated steps on one batch shrink each row's KL to its own teacher (not a shared one)."""
+    state, batch, models, index = setup(optax.adam(3e-3))
+    distill = distill_batch(batch, models, index, "full")
+    step = jax.jit(functools.partial(opd_step, config=OPDConfig(loss="full", temperature=T_SAMPLE, num_teachers=2,
+                                                                mismatch=MismatchCorrection("none"))))
+    first = None
+    for _ in range(30):
+        state, metrics = step(state, distill)
+        first = first if first is not None else float(metrics["student/distill_loss"])
+    last = float(metrics["student/distill_loss"])
+    assert last < 0.3 * first, (first, last)
+
+
+def test_missing_inputs_are_named():
+    state, batch, models, index = setup(optax.sgd(0.1))
+    distill = distill_batch(batch, models, index, "sampled")
+    with pytest.raises(ValueError, match="needs batch.teacher_logprobs"):
+        opd_step(state, distill, config=OPDConfig(loss="full"))
+    with pytest.raises(ValueError, match="score the student with policy_logprobs first"):
+        opd_step(state, distill.replace(rollout=batch.replace(logp_old=None)), config=OPDConfig())
+    with pytest.raises(ValueError, match="unknown OPD loss 'forward'"):
+        OPDConfig(loss="forward")
+    with pytest.raises(ValueError, match="not a whole number of groups of 3"):
+        opd_step(state, distill, config=OPDConfig(reward_alpha=1.0, group_size=3))
