@@ -26,7 +26,7 @@ def sharded_step(step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch:
 
     jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                      donate_argnums=(0,) if donate else ())
-    return _under(jitted, mesh, rules)
+    return under_mesh(jitted, mesh, rules)
 
 
 def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, mesh: Mesh,
@@ -37,14 +37,14 @@ def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, me
     state_sh = tree_shardings(state, mesh, rules)
     batch_sh = batch_shardings(jax.eval_shape(score, state, batch), mesh, rules)
     jitted = jax.jit(score, in_shardings=(state_sh, batch_shardings(batch, mesh, rules)), out_shardings=batch_sh)
-    return _under(jitted, mesh, rules)
+    return under_mesh(jitted, mesh, rules)
 
 
-def _under(jitted, mesh: Mesh, rules: LogicalRules):
+def under_mesh(jitted: Callable, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Callable:
     """Call (and so trace) `jitted` with the mesh set and the logical rules in force, so any
     `flax.linen.with_logical_constraint` inside a user's step resolves against them."""
     @functools.wraps(jitted)
-    def call(*args):
+    def call(*args, **kwargs):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            return jitted(*args)
+            return jitted(*args, **kwargs)
     return call

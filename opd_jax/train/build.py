@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from opd_jax.config import TrainConfig
+from opd_jax.config import ModelSection, TrainConfig
 from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
@@ -17,7 +17,11 @@ from opd_jax.models.weights import build_from_params
 
 
 def build_policy(config: TrainConfig) -> tuple[Decoder, Tokenizer]:
-    section = config.model
+    return build_model(config.model)
+
+
+def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
+    """The model a model section describes (fresh, with the character tokenizer, or loaded)."""
     if section.fresh is not None:
         f = section.fresh
         tokenizer = char_tokenizer()

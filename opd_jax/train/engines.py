@@ -8,8 +8,8 @@ from pathlib import Path
 
 from flax import nnx
 
-from opd_jax.config import TrainConfig
-from opd_jax.models import Decoder, Tokenizer, save_model
+from opd_jax.config import RolloutSection
+from opd_jax.models import Decoder, ModelConfig, Tokenizer, save_model
 from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.train.build import engine_model
 from rollout_bridge.pipe import EngineThread
@@ -18,24 +18,21 @@ from rollout_bridge.servers import LaunchSpec, ServerGroup
 from rollout_bridge.sglang_engine import SGLangEngine
 
 
-def weight_update(config: TrainConfig, policy: Decoder, params: nnx.State, tokenizer: Tokenizer,
+def weight_update(rollout: RolloutSection, model_config: ModelConfig, params: nnx.State, tokenizer: Tokenizer,
                   version: int) -> WeightUpdate:
     """Version `version` of the policy, in the engine's dtype, in memory or as an HF directory."""
-    rollout = config.rollout
-
     def model() -> Decoder:
-        return engine_model(policy.config, params, rollout.dtype, noise=rollout.inject_weight_noise, version=version)
+        return engine_model(model_config, params, rollout.dtype, noise=rollout.inject_weight_noise, version=version)
 
     return WeightUpdate(version, model=model, save_hf=lambda directory: save_model(model(), directory, tokenizer))
 
 
-def make_engine(config: TrainConfig, update: WeightUpdate, *, max_cache_len: int, pad_id: int,
+def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max_cache_len: int, pad_id: int,
                 refit_dir: Path) -> EngineThread:
     """An engine serving `update` (the policy the run starts from)."""
-    rollout = config.rollout
     if rollout.engine == "embedded":
         sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version)
-        return EngineThread(EmbeddedEngine(sampler, seed=config.seed))
+        return EngineThread(EmbeddedEngine(sampler, seed=seed))
     options = rollout.sglang
     servers = None
     thread: EngineThread | None = None

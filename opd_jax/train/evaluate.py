@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
+from flax import nnx
 
-from opd_jax.data import Example
-from opd_jax.models import Tokenizer
-from opd_jax.rewards import RewardFn
+from opd_jax.config import DataSection, RolloutSection
+from opd_jax.data import Example, eval_prompts
+from opd_jax.models import Decoder, Tokenizer
+from opd_jax.rewards import RewardFn, load_reward_fn
+from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.train.batching import RewardError, score_rollouts
+from opd_jax.train.build import encode_prompt, engine_model, stop_ids
 from rollout_bridge.pipe import EngineThread
+from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.records import Failure, Request, SamplingParams
 
 
@@ -29,3 +36,52 @@ def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Seq
         out[f"eval/{domain}/accuracy"] = float(np.mean(score_rollouts(completions, examples, tokenizer, reward_fn)))
     out["eval/accuracy"] = float(np.mean(list(out.values()))) if out else 0.0
     return out
+
+
+class HeldOutEvaluator:
+    """Held-out accuracy of any number of models on one fixed prompt set, greedy through the
+    embedded engine at the rollout's precision: how the merge report compares base, experts,
+    student and weight-space baselines like for like."""
+
+    def __init__(self, tokenizer: Tokenizer, held_out: dict[str, Sequence[Example]],
+                 encode: Callable[[Example], list[int]], *, max_new_tokens: int, stop_token_ids: tuple[int, ...],
+                 dtype: str = "float32", reward_fn: RewardFn | None = None):
+        self.tokenizer, self.held_out, self.encode = tokenizer, held_out, encode
+        self.max_new_tokens, self.stop_token_ids, self.dtype, self.reward_fn = (max_new_tokens, stop_token_ids, dtype,
+                                                                                reward_fn)
+        longest = max((len(encode(e)) for v in held_out.values() for e in v), default=64)
+        self.max_cache_len = longest + max_new_tokens + 16
+        self._engines: dict[Any, EngineThread] = {}
+        self._version = 0
+
+    def __call__(self, model: Decoder, domains: Iterable[str] | None = None) -> dict[str, float]:
+        """{domain: accuracy} over `domains` (default: all of the held-out set)."""
+        served = engine_model(model.config, nnx.state(model, nnx.Param), self.dtype)
+        graphdef = nnx.graphdef(served)
+        self._version += 1
+        if graphdef not in self._engines:
+            sampler = Sampler(served, max_cache_len=self.max_cache_len, pad_id=self.tokenizer.pad_token_id or 0,
+                              weight_version=self._version)
+            self._engines[graphdef] = EngineThread(EmbeddedEngine(sampler))
+        else:
+            self._engines[graphdef].update_weights(WeightUpdate(self._version, model=lambda: served))
+        wanted = sorted(self.held_out) if domains is None else sorted(domains)
+        accuracy = evaluate(self._engines[graphdef], self.tokenizer, {d: self.held_out[d] for d in wanted},
+                            self.encode, max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                            reward_fn=self.reward_fn)
+        return {d: accuracy[f"eval/{d}/accuracy"] for d in wanted}
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+
+def held_out_evaluator(tokenizer: Tokenizer, policy: Decoder, rollout: RolloutSection, data: DataSection,
+                       held_out: dict[str, Sequence[Example]] | None = None) -> HeldOutEvaluator:
+    """The evaluator a run of these settings uses: its prompt encoding, stop tokens, answer
+    length, engine precision and verifiers, on `held_out` (default: the data's held-out set)."""
+    return HeldOutEvaluator(tokenizer, eval_prompts(data) if held_out is None else held_out,
+                            functools.partial(encode_prompt, tokenizer=tokenizer, chat_template=data.chat_template),
+                            max_new_tokens=rollout.max_new_tokens, stop_token_ids=stop_ids(tokenizer, policy),
+                            dtype=rollout.dtype, reward_fn=load_reward_fn(data.reward_fn) if data.reward_fn else None)

@@ -10,7 +10,8 @@ import numpy as np
 
 from opd_jax.config import TrainConfig
 from opd_jax.core import RolloutBatch, make_optimizer
-from opd_jax.core.sft import SFTState, sft_step
+from opd_jax.core.sft import sft_step
+from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import batch_shardings, make_mesh, shard, sharded_step, tree_shardings
@@ -36,7 +37,7 @@ def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_p
     """`config.sft.steps` supervised updates of `policy`; the loss per step goes to log_path."""
     data = config.data.model_copy(update={"seed": config.data.seed + _SFT_SEED_OFFSET})
     prompts = iter(train_prompts(data))
-    state = SFTState.create(policy, make_optimizer(config.sft.optimizer))
+    state = PolicyState.create(policy, make_optimizer(config.sft.optimizer))
     mesh = make_mesh(config.mesh)
     state = shard(state, tree_shardings(state, mesh))
     step = None
