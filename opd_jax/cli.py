@@ -113,10 +113,10 @@ def _split_overrides(config_file: Optional[Path], overrides: Optional[list[str]]
     return config_file, overrides
 
 
-def _load(config_file: Optional[Path], overrides: list[str]):
-    from opd_jax.config import ConfigError, load_config
+def _load(config_file: Optional[Path], overrides: list[str], schema: Any = None):
+    from opd_jax.config import ConfigError, TrainConfig, load_config
     try:
-        return load_config(config_file, overrides)
+        return load_config(config_file, overrides, schema=schema or TrainConfig)
     except ConfigError as e:
         raise typer.BadParameter(str(e), param_hint="CONFIG / OVERRIDES") from None
 
@@ -160,6 +160,49 @@ def sft(
     policy, tokenizer = build_policy(config)
     policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
     typer.echo(f"model written to {save_model(policy, run_dir / 'sft_policy', tokenizer)}")
+
+
+@app.command()
+def experts(
+    config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="An experts config (see configs/).")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+    only: Annotated[Optional[str], typer.Option(help="Run only 'base' or the expert of this name (one host each).")] = None,
+) -> None:
+    """Train the shared base, then one RL expert per domain from it (independent jobs)."""
+    from opd_jax.config import ExpertsConfig
+    from opd_jax.data import DataError
+    from opd_jax.merge import ExpertsError, run_experts
+
+    config = _load(config_file, list(overrides or []), ExpertsConfig)
+    try:
+        run_dir = run_experts(config, only=only)
+    except (ExpertsError, DataError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"experts written to {run_dir}")
+
+
+@app.command()
+def merge(
+    config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="A merge config (see configs/).")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the merge in logging.run_dir from its last checkpoint.")] = False,
+) -> None:
+    """Merge the experts into one student by multi-teacher on-policy distillation; writes
+    report.json (base, experts, student and weight-space baselines per domain)."""
+    from opd_jax.config import MergeConfig
+    from opd_jax.data import DataError
+    from opd_jax.merge import MERGE_ERRORS, read_report_table
+    from opd_jax.merge import merge as run
+
+    config = _load(config_file, list(overrides or []), MergeConfig)
+    try:
+        run_dir = run(config, resume=resume)
+    except (*MERGE_ERRORS, DataError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(read_report_table(run_dir))
+    typer.echo(f"merge written to {run_dir}")
 
 
 @app.callback()

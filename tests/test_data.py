@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 
 from opd_jax.config import load_config
-from opd_jax.data import DOMAINS, DataError, ProceduralSource, eval_prompts, read_jsonl, take, train_prompts
+from opd_jax.data import (
+    DOMAINS,
+    DataError,
+    ProceduralSource,
+    eval_prompts,
+    read_jsonl,
+    source_domains,
+    take,
+    train_prompts,
+    validation_prompts,
+)
 from opd_jax.rewards import VERIFIERS, exact_match, load_reward_fn, numeric_match
 
 
@@ -150,3 +160,16 @@ def test_eval_prompts_are_fixed_and_held_out(tmp_path):
     assert not train_uids & {e.uid for v in held_out.values() for e in v}
     rng_prompts = {e.prompt for e in take(iter(train_prompts(data)), 200)}
     assert np.mean([e.prompt in rng_prompts for e in held_out["addition"]]) < 0.5
+
+
+def test_a_domains_held_out_and_validation_prompts_do_not_depend_on_the_mix():
+    """An expert trained on one domain and a merge over many evaluate it on the same prompts;
+    validation prompts (for choosing a merge scale) are apart from the held-out ones."""
+    mixed = load_config(None, ["data.train=[{builtin: sort}, {builtin: parity}, {builtin: addition}]"]).data
+    alone = load_config(None, ["data.train=[{builtin: parity}]"]).data
+    assert eval_prompts(mixed)["parity"] == eval_prompts(alone)["parity"]
+    assert validation_prompts(mixed, 8)["parity"] == validation_prompts(alone, 8)["parity"]
+    held_out = {e.prompt for e in eval_prompts(mixed)["addition"]}
+    validation = [e.prompt for e in validation_prompts(mixed, 32)["addition"]]
+    assert np.mean([p in held_out for p in validation]) < 0.5  # 2-digit sums: overlaps only by chance
+    assert source_domains(mixed.train[1]) == {"parity"}

@@ -12,7 +12,7 @@ from flax import nnx
 from ppo_setup import TINY
 
 from opd_jax.core import select_teacher, token_logprobs
-from opd_jax.merge import RoutingError, check_teacher_compatible, teacher_indices
+from opd_jax.merge import RoutingError, check_teacher_compatible, routing_table, teacher_indices
 from opd_jax.models import Decoder
 from opd_jax.models.char_tokenizer import char_tokenizer
 
@@ -24,15 +24,20 @@ def test_each_row_is_scored_by_its_domains_teacher():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (5, 9)), jnp.int32)
     per_teacher = jnp.stack([token_logprobs(m(tokens), tokens)[0] for m in models])
     assert not np.allclose(per_teacher[0], per_teacher[1])  # the teachers really differ
-    routed = select_teacher(per_teacher, jnp.asarray(teacher_indices(domains, teachers)))
+    routes = routing_table({name: [name] for name in teachers})
+    routed = select_teacher(per_teacher, jnp.asarray(teacher_indices(domains, routes)))
     for row, domain in enumerate(domains):
         alone = token_logprobs(models[teachers.index(domain)](tokens[row:row + 1]), tokens[row:row + 1])[0][0]
         np.testing.assert_allclose(routed[row], alone, atol=1e-5)
 
 
-def test_a_domain_without_a_teacher_is_named():
-    with pytest.raises(RoutingError, match="no teacher for domain\\(s\\) chain, sort; teachers: addition"):
-        teacher_indices(["addition", "sort", "chain", "sort"], ["addition"])
+def test_routing_table_and_a_domain_without_a_teacher():
+    routes = routing_table({"arith": ["addition", "multiplication"], "lists": ["sort", "max"]})
+    assert list(teacher_indices(["sort", "addition", "max", "multiplication"], routes)) == [1, 0, 1, 0]
+    with pytest.raises(RoutingError, match="no teacher for domain\\(s\\) chain, parity; the teachers cover: addition"):
+        teacher_indices(["addition", "parity", "chain", "parity"], routes)
+    with pytest.raises(RoutingError, match="domain 'max' has two teachers: 'lists' and 'max'"):
+        routing_table({"lists": ["sort", "max"], "max": ["max"]})
 
 
 def test_teachers_with_another_vocabulary_or_tokenizer_are_refused():

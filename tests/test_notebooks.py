@@ -42,3 +42,19 @@ def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
     for values in summary.values():
         assert all(0 <= v <= 1 for v in values.values())
     assert (tmp_path / "curves.png").exists()
+
+
+def test_opd_merge_notebook(tmp_path, monkeypatch):
+    """Three domains at test size: base, experts, merge. The merged student comes close to every
+    expert on the expert's own domain and beats averaging the experts' weights."""
+    summary = run_notebook("opd_merge", tmp_path, monkeypatch)
+    table = summary["domains"]
+    assert set(table) == {"addition", "count", "max"}
+    for domain, row in table.items():
+        assert row["expert"] >= row["base"], domain
+        # measured here: student / expert 0.80 (addition), 1.00 (count), 0.97 (max)
+        assert row["student"] >= 0.7 * row["expert"] and row["student"] > row["base"] - 0.05, (domain, row)
+    # measured here: student 0.89, weight averaging 0.59, task arithmetic 0.60 (mean over the domains)
+    assert summary["mean"]["student"] > summary["mean"]["weight_average"] + 0.1, summary["mean"]
+    assert set(summary["wall_time_s"]) >= {"base", "experts", "merge", "pipeline"}
+    assert (tmp_path / "opd_merge.png").exists()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 import yaml
@@ -14,6 +14,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from opd_jax.config.schema import TrainConfig
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 class ConfigError(ValueError):
@@ -29,9 +31,10 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{key}: {error['msg']}{shown}"
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The TrainConfig from a YAML file (or the defaults) with `overrides` such as
-    ["algorithm.ppo.eps_high=0.3", "rollout.samples_per_prompt=8"] applied on top."""
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                schema: type[M] = TrainConfig) -> M:
+    """The config (a TrainConfig, or another `schema`) from a YAML file (or the defaults) with
+    `overrides` such as ["algorithm.ppo.eps_high=0.3", "rollout.samples_per_prompt=8"] applied."""
     try:
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
         if not isinstance(base, dict) and not OmegaConf.is_dict(base):
@@ -46,13 +49,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ConfigError(f"{path or 'overrides'}: {e}") from None
     try:
-        return TrainConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except pydantic.ValidationError as e:
         problems = "\n  ".join(_describe(err) for err in e.errors())
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n  {problems}") from None
 
 
-def to_plain(config: TrainConfig) -> dict[str, Any]:
+def to_plain(config: Any) -> Any:
     """The config as plain YAML-able data (dataclass sections included)."""
     def plain(x):
         if dataclasses.is_dataclass(x):
@@ -61,10 +64,12 @@ def to_plain(config: TrainConfig) -> dict[str, Any]:
             return {k: plain(getattr(x, k)) for k in type(x).model_fields}
         if isinstance(x, (list, tuple)):
             return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
         return x
     return plain(config)
 
 
-def save_config(config: TrainConfig, path: str | Path) -> None:
+def save_config(config: pydantic.BaseModel, path: str | Path) -> None:
     """Write the resolved config; load_config(path) gives it back."""
     Path(path).write_text(yaml.safe_dump(to_plain(config), sort_keys=False))

@@ -4,6 +4,8 @@ state that checkpoints and restores exactly; plus the fixed held-out set per dom
 
 from __future__ import annotations
 
+import json
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import grain
@@ -31,13 +33,20 @@ def train_prompts(data: DataSection, *, process_index: int = 0, process_count: i
     return mixed[process_index::process_count].to_iter_dataset()
 
 
+def _source_seed(spec: SourceSpec) -> int:
+    """A seed of the source itself (its domain and parameters), not of its place in a list, so a
+    domain's held-out prompts are the same in every run that trains on it, alone or in a mix."""
+    return zlib.crc32(json.dumps([spec.builtin, spec.params], sort_keys=True).encode())
+
+
 def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
     """The held-out prompts per domain: for built-in domains the first eval_prompts_per_domain of
     their eval stream; for JSONL sources the `eval_jsonl` file when one is given."""
     out: dict[str, list[Example]] = {}
-    for i, spec in enumerate(data.train):
+    for spec in data.train:
         if spec.builtin is not None:
-            source = ProceduralSource(spec.builtin, seed=data.seed + i, split="eval", params=spec.params)
+            source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec), split="eval",
+                                      params=spec.params)
             examples = [source[j] for j in range(data.eval_prompts_per_domain)]
         elif spec.eval_jsonl is not None:
             examples = read_jsonl(spec.eval_jsonl)
@@ -46,6 +55,35 @@ def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
         for example in examples:
             out.setdefault(example.domain, []).append(example)
     return out
+
+
+# validation draws its own stream of each built-in domain's training split
+_VALIDATION_SEED_OFFSET = 104_729
+
+
+def validation_prompts(data: DataSection, per_domain: int) -> dict[str, list[Example]]:
+    """Prompts apart from the held-out set, per domain, for choosing a hyper-parameter (a merge
+    scale, say) without looking at the held-out prompts: for built-in domains `per_domain`
+    draws from a training stream of its own seed, for JSONL sources the file's first lines."""
+    out: dict[str, list[Example]] = {}
+    for spec in data.train:
+        if spec.builtin is not None:
+            source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec) + _VALIDATION_SEED_OFFSET,
+                                      split="train", params=spec.params)
+            examples = [source[j] for j in range(per_domain)]
+        else:
+            examples = read_jsonl(spec.jsonl)[:per_domain]
+        for example in examples:
+            out.setdefault(example.domain, []).append(example)
+    return out
+
+
+def source_domains(spec: SourceSpec) -> set[str]:
+    """Every domain a source's prompts (training and held-out) belong to."""
+    if spec.builtin is not None:
+        return {spec.builtin}
+    files = [spec.jsonl] + ([spec.eval_jsonl] if spec.eval_jsonl else [])
+    return {e.domain for f in files for e in read_jsonl(f)}
 
 
 def take(iterator: Any, n: int) -> list[Example]:

@@ -1,5 +1,25 @@
-"""OPD merge: domain experts distilled into one student (issue 6, in progress)."""
+"""OPD merge: domain experts trained by RL from one base, distilled into one student by
+multi-teacher on-policy distillation, judged against weight-space merging."""
 
-from opd_jax.merge.routing import RoutingError, check_teacher_compatible, teacher_indices
+from pathlib import Path
 
-__all__ = ["RoutingError", "check_teacher_compatible", "teacher_indices"]
+from opd_jax.merge.experts import ExpertsError, run_experts
+from opd_jax.merge.loop import merge
+from opd_jax.merge.plan import MergeError, MergePlan, TeacherSpec, resolve_plan
+from opd_jax.merge.routing import RoutingError, check_teacher_compatible, routing_table, teacher_indices
+from opd_jax.merge.teachers import LocalTeachers, SGLangTeachers, TeacherError
+from opd_jax.train.rollouts import RunError
+
+# what stops a merge before or during training, each with a message naming the culprit
+MERGE_ERRORS = (MergeError, RoutingError, TeacherError, RunError)
+
+
+def read_report_table(run_dir: str | Path) -> str:
+    """The per-domain table of a finished merge (report.md), or a note that it has none."""
+    path = Path(run_dir) / "report.md"
+    return path.read_text() if path.exists() else f"(no report in {run_dir})"
+
+
+__all__ = ["MERGE_ERRORS", "ExpertsError", "LocalTeachers", "MergeError", "MergePlan", "RoutingError", "RunError",
+           "SGLangTeachers", "TeacherError", "TeacherSpec", "check_teacher_compatible", "merge", "read_report_table",
+           "resolve_plan", "routing_table", "run_experts", "teacher_indices"]

@@ -14,14 +14,27 @@ class RoutingError(ValueError):
     """A prompt with no teacher, or a teacher that cannot score the student's tokens."""
 
 
-def teacher_indices(domains: Sequence[str], teachers: Sequence[str]) -> np.ndarray:
-    """int32 [B]: for each row, the position in `teachers` (one name per domain) of its
-    domain's teacher. Every domain without a teacher is named."""
-    position = {name: i for i, name in enumerate(teachers)}
-    missing = sorted({d for d in domains if d not in position})
+def routing_table(teacher_domains: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """domain -> the position (in `teacher_domains`' order) of the teacher trained on it. A
+    domain claimed by two teachers is an error: each prompt must have exactly one teacher."""
+    routes: dict[str, int] = {}
+    names = list(teacher_domains)
+    for i, name in enumerate(names):
+        for domain in teacher_domains[name]:
+            if domain in routes:
+                raise RoutingError(f"domain {domain!r} has two teachers: {names[routes[domain]]!r} and {name!r}")
+            routes[domain] = i
+    return routes
+
+
+def teacher_indices(domains: Sequence[str], routes: Mapping[str, int]) -> np.ndarray:
+    """int32 [B]: for each row, the position of its domain's teacher (`routes`, from
+    routing_table). Every domain without a teacher is named."""
+    missing = sorted({d for d in domains if d not in routes})
     if missing:
-        raise RoutingError(f"no teacher for domain(s) {', '.join(missing)}; teachers: {', '.join(teachers)}")
-    return np.asarray([position[d] for d in domains], np.int32)
+        raise RoutingError(f"no teacher for domain(s) {', '.join(missing)}; the teachers cover: "
+                           f"{', '.join(sorted(routes))}")
+    return np.asarray([routes[d] for d in domains], np.int32)
 
 
 def check_teacher_compatible(name: str, teacher_vocab: int, teacher_tokenizer: Tokenizer | None,

@@ -1,0 +1,221 @@
+"""The teachers of an OPD merge, behind one `score(batch, teacher_index)`: local JAX models on the
+trainer's mesh, or SGLang servers scored through the bridge. Either way each teacher sees only
+the rows routed to it, and its answer is checked (finite log-probabilities, ≤ 0) before it
+can reach training, with the teacher named when it is not."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from opd_jax.config.merge import TeachersSection
+from opd_jax.core import RolloutBatch
+from opd_jax.core.opd_step import DistillLoss, OPDConfig, teacher_scores
+from opd_jax.merge.plan import TeacherSpec
+from opd_jax.merge.routing import check_teacher_compatible
+from opd_jax.models import Decoder, ModelConfig, ModelFormatError, Tokenizer, load_model
+from opd_jax.parallel import DEFAULT_RULES, batch_shardings, shard, tree_shardings
+from opd_jax.parallel.compile import under_mesh
+from opd_jax.train.engines import close_engine
+from rollout_bridge.pipe import EngineThread
+from rollout_bridge.protocol import EngineError
+from rollout_bridge.servers import LaunchSpec, ServerGroup
+from rollout_bridge.sglang_engine import SGLangEngine
+
+
+class TeacherError(RuntimeError):
+    """A teacher that cannot be loaded or whose scores cannot be trained on; names the teacher."""
+
+
+def load_teacher(name: str, path: str | Path, dtype: str, *, weights: bool = True
+                 ) -> tuple[Decoder | ModelConfig, Tokenizer | None]:
+    """The teacher's model (or, with weights=False, only its config) and tokenizer; a checkpoint
+    that will not load is a TeacherError naming the teacher and the path."""
+    path = Path(path)
+    try:
+        if weights:
+            return load_model(path, dtype=dtype)
+        return ModelConfig.from_json(path / "config.json"), Tokenizer.from_dir(path)
+    except (ModelFormatError, ValueError, OSError, KeyError) as e:
+        raise TeacherError(f"teacher {name!r}: the checkpoint at {path} will not load: {e}") from None
+
+
+def _check_scores(name: str, rows: np.ndarray, scores: dict[str, np.ndarray], mask: np.ndarray) -> None:
+    logp = scores["logp_teacher"]
+    bad = (mask > 0) & ~np.isfinite(logp)
+    positive = (mask > 0) & (logp > 1e-3)
+    for problem, where in (("NaN or inf", bad), ("positive", positive)):
+        if np.any(where):
+            samples = rows[np.any(where, axis=1)]
+            raise TeacherError(f"teacher {name!r} gave {problem} log-probabilities on response tokens of "
+                               f"sample(s) {', '.join(map(str, samples[:8]))}")
+
+
+def _to_host(tree: Any) -> Any:
+    if jax.process_count() > 1:
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
+class Teachers(Protocol):
+    names: list[str]
+
+    def score(self, batch: RolloutBatch, teacher_index: np.ndarray) -> dict[str, np.ndarray]:
+        """DistillBatch's teacher fields (host arrays, zero off the response mask) for the rows of
+        `batch`, row b scored by teacher teacher_index[b]."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "top_k", "temperature", "microbatches"))
+def _score(graphdef, params, batch, *, loss, top_k, temperature, microbatches):
+    return teacher_scores(graphdef, params, batch, loss=loss, top_k=top_k, temperature=temperature,
+                          microbatches=microbatches)
+
+
+class LocalTeachers:
+    """Teachers as JAX models on the mesh, each one's parameters sharded by the logical-axis rules
+    (many small teachers, or a few large ones). The rows of a batch are grouped by teacher on the
+    host; only the teachers a batch needs run, each on its own rows, padded to a power-of-two
+    bucket (a multiple of the data-parallel shards and micro-batches) so a few compiled shapes
+    serve every step. Teachers of one architecture share the compiled scoring function."""
+
+    def __init__(self, names: Sequence[str], models: Sequence[Decoder], mesh: Mesh, *, loss: DistillLoss,
+                 top_k: int = 32, temperature: float = 1.0, microbatches: int = 1, rules=DEFAULT_RULES):
+        self.names = list(names)
+        self.mesh, self.rules = mesh, rules
+        self.options = {"loss": loss, "top_k": top_k, "temperature": temperature, "microbatches": microbatches}
+        self._graphdefs, self._params = [], []
+        for model in models:
+            graphdef, params = nnx.split(model, nnx.Param)
+            self._graphdefs.append(graphdef)
+            self._params.append(shard(params, tree_shardings(params, mesh, rules)))
+        data_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+        self._granule = math.lcm(data_shards, microbatches)
+        self._vocab = models[0].config.vocab_size
+        self._call = under_mesh(_score, mesh, rules)
+
+    def _bucket(self, n: int) -> int:
+        return self._granule * (1 << max(0, math.ceil(math.log2(math.ceil(n / self._granule)))))
+
+    def score(self, batch: RolloutBatch, teacher_index: np.ndarray) -> dict[str, np.ndarray]:
+        host = jax.tree.map(np.asarray, batch)
+        B, T = host.tokens.shape
+        loss, k = self.options["loss"], self.options["top_k"]
+        out = {"logp_teacher": np.zeros((B, T), np.float32)}
+        if loss == "full":
+            out["teacher_logprobs"] = np.zeros((B, T, self._vocab), np.float32)
+        elif loss == "top_k":
+            out["teacher_logprobs"] = np.zeros((B, T, k), np.float32)
+            out["teacher_ids"] = np.zeros((B, T, k), np.int32)
+        for teacher in np.unique(teacher_index):
+            rows = np.flatnonzero(teacher_index == teacher)
+            # padding repeats a real row (an all-padding row has no key to attend to)
+            take = np.concatenate([rows, np.full(self._bucket(len(rows)) - len(rows), rows[0])])
+            sub = jax.tree.map(lambda x: x[take], host)
+            sub = shard(sub, batch_shardings(sub, self.mesh, self.rules))
+            scores = _to_host(self._call(self._graphdefs[teacher], self._params[teacher], sub, **self.options))
+            scores = {name: np.asarray(v)[:len(rows)] for name, v in scores.items()}
+            _check_scores(self.names[teacher], rows, scores, host.response_mask[rows])
+            for name, values in scores.items():
+                out[name][rows] = values
+        return out
+
+    def close(self) -> None:
+        self._params.clear()
+
+
+class SGLangTeachers:
+    """Teachers behind SGLang servers (one engine per teacher, see rollout_bridge), scoring the
+    student's tokens with prompt log-probs (`max_new_tokens=0`). Every teacher that has rows in
+    a batch is asked at once; the sampled-token loss is the only one they serve."""
+
+    def __init__(self, names: Sequence[str], engines: Sequence[EngineThread]):
+        self.names, self.engines = list(names), list(engines)
+
+    def score(self, batch: RolloutBatch, teacher_index: np.ndarray) -> dict[str, np.ndarray]:
+        tokens = np.asarray(batch.tokens)
+        mask = np.asarray(batch.response_mask)
+        lengths = np.asarray(batch.attention_mask).sum(axis=1)
+        logp = np.zeros(tokens.shape, np.float32)
+        asked = []
+        for teacher in np.unique(teacher_index):
+            rows = np.flatnonzero(teacher_index == teacher)
+            engine = self.engines[teacher]
+            sequences = [tokens[b, :lengths[b]].tolist() for b in rows]
+            asked.append((teacher, rows, engine.submit(engine.engine.score(sequences))))
+        for teacher, rows, future in asked:
+            try:
+                scored = future.result()
+            except EngineError as e:
+                raise TeacherError(f"teacher {self.names[teacher]!r} could not score: {e}") from None
+            for b, values in zip(rows, scored):
+                logp[b, 1:lengths[b]] = values
+        logp *= mask
+        for teacher, rows, _ in asked:
+            _check_scores(self.names[teacher], rows, {"logp_teacher": logp[rows]}, mask[rows])
+        return {"logp_teacher": logp}
+
+    def close(self) -> None:
+        for engine in self.engines:
+            close_engine(engine)
+
+
+def build_teachers(specs: Sequence[TeacherSpec], section: TeachersSection, student: Decoder, tokenizer: Tokenizer,
+                   mesh: Mesh, opd: OPDConfig, log_dir: Path) -> Teachers:
+    """The teachers of a merge, each checked before any training: its checkpoint loads, its
+    vocabulary and tokenizer are the student's. Local ones are placed on the mesh; SGLang ones
+    are launched (or reached at their URLs) and must answer."""
+    if section.engine == "local":
+        models = []
+        for spec in specs:
+            model, teacher_tokenizer = load_teacher(spec.name, spec.path, section.dtype)
+            check_teacher_compatible(spec.name, model.config.vocab_size, teacher_tokenizer, student.config.vocab_size,
+                                     tokenizer)
+            models.append(model)
+        return LocalTeachers([s.name for s in specs], models, mesh, loss=opd.loss, top_k=opd.top_k,
+                             temperature=opd.temperature, microbatches=opd.microbatches)
+    for spec in specs:
+        config, teacher_tokenizer = load_teacher(spec.name, spec.path, section.dtype, weights=False)
+        check_teacher_compatible(spec.name, config.vocab_size, teacher_tokenizer, student.config.vocab_size, tokenizer)
+    engines: list[EngineThread] = []
+    try:
+        starts = []
+        for spec in specs:
+            servers = None
+            if section.launch is not None:
+                launch = section.launch
+                servers = ServerGroup(LaunchSpec(tuple(launch.command), launch.num_servers, launch.host,
+                                                 tuple(launch.ports), tuple(launch.env.items()),
+                                                 launch.startup_timeout_s, log_dir / spec.name),
+                                      spec.path.resolve())
+            elif spec.name not in section.urls:
+                raise TeacherError(f"teacher {spec.name!r} has no entry in teachers.urls")
+            engine = EngineThread(SGLangEngine(section.urls.get(spec.name, ()), servers=servers, stream=False,
+                                               request_timeout_s=section.sglang.request_timeout_s,
+                                               max_retries=section.sglang.max_retries,
+                                               max_concurrency=section.sglang.max_concurrency))
+            engines.append(engine)
+            starts.append((spec.name, engine.submit(servers.start() if servers else engine.engine.health())))
+        for name, started in starts:  # the servers start side by side
+            try:
+                if started.result() is False:
+                    raise EngineError("no server answered its health check")
+            except EngineError as e:
+                raise TeacherError(f"teacher {name!r}: {e}") from None
+        return SGLangTeachers([s.name for s in specs], engines)
+    except BaseException:
+        for engine in engines:
+            close_engine(engine)
+        raise

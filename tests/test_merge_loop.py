@@ -1,0 +1,224 @@
+"""`opd-jax merge` end to end at test size, with three teachers that differ (random tiny models
+saved as Hugging Face directories): the merge sharded over 8 simulated devices equals the
+unsharded merge (one device, in a process of its own); a killed and resumed merge ends where an
+uninterrupted one does; each teacher scores only its own rows; bad inputs stop the merge with
+a named error before any training."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+import tokenizers.models
+from flax import nnx
+from ppo_setup import assert_updates_close
+from typer.testing import CliRunner
+
+from opd_jax.cli import app
+from opd_jax.config import MergeConfig, load_config, save_config
+from opd_jax.core import RolloutBatch
+from opd_jax.core.opd_step import teacher_scores
+from opd_jax.merge import LocalTeachers, MergeError, RoutingError, TeacherError, merge
+from opd_jax.models import Decoder, ModelConfig, load_model, save_model
+from opd_jax.models.char_tokenizer import char_tokenizer
+from opd_jax.parallel import MeshConfig, make_mesh
+from opd_jax.train.batching import pack
+
+TOKENIZER = char_tokenizer()
+CONFIG = ModelConfig(family="llama", vocab_size=TOKENIZER.vocab_size, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
+                     eos_token_ids=(TOKENIZER.eos_token_id,))
+DOMAINS = ("addition", "max", "parity")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A student and one teacher per domain, every one of them different."""
+    root = tmp_path_factory.mktemp("models")
+    save_model(Decoder(CONFIG, rngs=nnx.Rngs(0)), root / "student", TOKENIZER)
+    for seed, domain in enumerate(DOMAINS, start=1):
+        save_model(Decoder(CONFIG, rngs=nnx.Rngs(seed)), root / domain, TOKENIZER)
+    return root
+
+
+def overrides(models: Path, run_dir: Path, *extra: str) -> list[str]:
+    teachers = ", ".join(f"{d}: {models / d}" for d in DOMAINS)
+    return [f"student.path={models / 'student'}", f"teachers.paths={{{teachers}}}",
+            "data.train=[{builtin: addition, params: {digits: 1}}, {builtin: max, params: {hi: 9}}, "
+            "{builtin: parity, params: {max_len: 5}}]",
+            "steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.prompts_per_step=4",
+            "data.eval_prompts_per_domain=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
+            "optimizer.learning_rate=1e-2", "logging.eval_every=2", "logging.progress_bar=false",
+            "logging.tensorboard=false", "logging.plot=false", "checkpoint.every=1", "checkpoint.keep=3",
+            "baselines.validation_prompts_per_domain=4", "baselines.task_arithmetic_scales=[0.5, 1.0]",
+            f"logging.run_dir={run_dir}", *extra]
+
+
+def config(models, run_dir, *extra) -> MergeConfig:
+    return load_config(None, overrides(models, run_dir, *extra), schema=MergeConfig)
+
+
+def student_params(run_dir: Path):
+    model, _ = load_model(run_dir / "student")
+    return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+TIMING = ("rollout/tokens_per_s", "rollout/wait_s", "rollout/refit_s")
+
+
+def rows(run_dir: Path):
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(models, tmp_path_factory):
+    """The merge on a (2, 2, 2) mesh, through the command line."""
+    run_dir = tmp_path_factory.mktemp("sharded")
+    result = CliRunner().invoke(app, ["merge", os.devnull, *overrides(models, run_dir)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "| **mean** |" in result.output  # the report table
+    return run_dir
+
+
+def test_sharded_merge_equals_the_unsharded_merge(models, sharded_run, tmp_path):
+    single = tmp_path / "single"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+           "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    done = subprocess.run([sys.executable, "-m", "opd_jax.cli", "merge", os.devnull,
+                           *overrides(models, single, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = rows(sharded_run), rows(single)
+    assert [r["step"] for r in a] == [0, 1, 2]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_allclose(x[key], y[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    start = jax.tree.leaves(nnx.state(load_model(models / "student")[0], nnx.Param))
+    assert_updates_close(student_params(sharded_run), student_params(single), start)
+    # the merge moved the student, toward teachers that disagree with it
+    assert max(np.abs(np.asarray(x) - np.asarray(y)).max() for x, y in zip(student_params(sharded_run), start)) > 1e-3
+    assert all(a[1][f"opd/reverse_kl/{d}"] > 0 for d in DOMAINS if f"opd/reverse_kl/{d}" in a[1])
+
+
+def test_report(sharded_run):
+    report = json.loads((sharded_run / "report.json").read_text())
+    assert set(report["domains"]) == set(DOMAINS)
+    for row in report["domains"].values():
+        assert set(row) == {"base", "expert", "student", "weight_average", "task_arithmetic"}
+        assert all(0 <= v <= 1 for v in row.values())
+    assert report["task_arithmetic_scale"] in (0.5, 1.0)
+    assert {"merge/setup", "merge/train", "merge/evaluation", "merge/baselines", "merge", "pipeline"} <= \
+        set(report["wall_time_s"])
+    assert report["teachers"]["max"]["domains"] == ["max"]
+    assert (sharded_run / "report.md").read_text().startswith("| domain |")
+
+
+def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path):
+    extra = ("steps=3", "opd.loss=top_k", "opd.top_k=8", "opd.reward_alpha=0.5", "baselines.weight_average=false",
+             "baselines.task_arithmetic=false", "logging.eval_every=3")
+    straight = merge(config(models, tmp_path / "straight", *extra))
+    interrupted = config(models, tmp_path / "resumed", *extra)
+    merge(interrupted, stop_after=2)
+    with pytest.raises(Exception, match="already holds checkpoints .* pass --resume"):
+        merge(interrupted)
+    resumed = merge(interrupted, resume=True)
+    assert rows(resumed) == rows(straight)
+    for x, y in zip(student_params(straight), student_params(resumed)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert "weight_average" not in json.loads((resumed / "report.json").read_text())["domains"]["max"]
+
+
+def ragged_batch(rows_: int, seed: int = 0) -> RolloutBatch:
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, CONFIG.vocab_size, int(rng.integers(2, 6)))) for _ in range(rows_)]
+    responses = [list(rng.integers(3, CONFIG.vocab_size, int(rng.integers(1, 7)))) for _ in range(rows_)]
+    tokens, attention, response = pack(prompts, responses, pad_id=0, length=16)
+    return RolloutBatch(tokens=tokens, attention_mask=attention, response_mask=response,
+                        logp_infer=np.zeros(response.shape, np.float32), rewards=np.zeros(rows_, np.float32))
+
+
+@pytest.mark.parametrize("loss", ["sampled", "top_k"])
+def test_local_teachers_score_only_their_own_rows(models, loss):
+    teachers = [load_model(models / d)[0] for d in DOMAINS]
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    local = LocalTeachers(list(DOMAINS), teachers, mesh, loss=loss, top_k=4, temperature=0.7)
+    calls = []
+    call = local._call
+    local._call = lambda graphdef, params, batch, **kw: calls.append(batch.tokens.shape[0]) or call(
+        graphdef, params, batch, **kw)
+    batch = ragged_batch(7)
+    index = np.asarray([2, 0, 2, 2, 0, 2, 2])  # teacher 1 ("max") has no rows here
+    scores = local.score(batch, index)
+    assert calls == [4, 8]  # 2 rows padded to 4 (the data-parallel shards), 5 rows to 8; "max" never ran
+    for row, teacher in enumerate(index):
+        one = jax.tree.map(lambda x: jnp.asarray(x[row:row + 1]), batch)
+        alone = teacher_scores(*nnx.split(teachers[teacher], nnx.Param), one, loss=loss, top_k=4, temperature=0.7)
+        for name, value in alone.items():
+            np.testing.assert_allclose(scores[name][row], np.asarray(value[0]), atol=2e-5, err_msg=name)
+
+
+def _swapped_tokenizer():
+    vocab = TOKENIZER.backend.get_vocab()
+    swapped = {**vocab, "1": vocab["2"], "2": vocab["1"]}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(swapped, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = TOKENIZER.backend.pre_tokenizer, TOKENIZER.backend.decoder
+    return dataclasses.replace(TOKENIZER, backend=backend)
+
+
+def test_bad_inputs_stop_the_merge_before_training(models, tmp_path):
+    bad = tmp_path / "teachers"
+    shutil.copytree(models / "max", bad / "truncated")
+    weights = bad / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    save_model(Decoder(dataclasses.replace(CONFIG, vocab_size=CONFIG.vocab_size + 1), rngs=nnx.Rngs(0)),
+               bad / "bigger_vocab", TOKENIZER)
+    save_model(Decoder(CONFIG, rngs=nnx.Rngs(0)), bad / "other_tokenizer", _swapped_tokenizer())
+    cases = {
+        "truncated": (TeacherError, r"teacher 'max': the checkpoint at .*truncated will not load"),
+        "bigger_vocab": (RoutingError, f"teacher 'max' has a vocabulary of {CONFIG.vocab_size + 1} tokens"),
+        "other_tokenizer": (RoutingError, "teacher 'max' maps 2 of the student's tokens to other ids"),
+    }
+    for name, (error, message) in cases.items():
+        run_dir = tmp_path / name
+        cfg = config(models, run_dir, f"teachers.paths.max={bad / name}")
+        with pytest.raises(error, match=message):
+            merge(cfg)
+        assert not (run_dir / "metrics.jsonl").exists() and not any((run_dir / "checkpoints").iterdir())
+    # a prompt domain no teacher covers
+    run_dir = tmp_path / "unrouted"
+    cfg = config(models, run_dir, "data.train=[{builtin: max}, {builtin: sort}, {builtin: chain}]")
+    with pytest.raises(RoutingError, match="no teacher for domain\\(s\\) chain, sort"):
+        merge(cfg)
+    assert not (run_dir / "metrics.jsonl").exists()
+    # an experts directory whose expert never finished
+    experts = tmp_path / "experts"
+    (experts / "base").mkdir(parents=True)
+    (experts / "base" / "base.json").write_text(json.dumps({"model": str(models / "student"), "eval": {},
+                                                            "wall_time_s": 1.0}))
+    (experts / "experts" / "max").mkdir(parents=True)
+    cfg = load_config(None, [f"experts_dir={experts}", f"logging.run_dir={tmp_path / 'unfinished'}"],
+                      schema=MergeConfig)
+    with pytest.raises(MergeError, match=r"expert 'max' is not finished: .*expert.json is missing "
+                                         r"\(run `opd-jax experts CONFIG --only max`\)"):
+        merge(cfg)
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    result = CliRunner().invoke(app, ["merge", os.devnull, "teachers.engine=sglang", "opd.loss=full",
+                                      "teachers.urls={a: [http://127.0.0.1:1]}", "experts_dir=x"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "opd.loss 'full' needs each teacher's whole distribution" in result.output
+    result = CliRunner().invoke(app, ["merge", os.devnull, "opd.los=full"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "opd.los: unknown key" in result.output
+    save_config(config(Path("m"), tmp_path), tmp_path / "merge.yaml")
+    assert load_config(tmp_path / "merge.yaml", schema=MergeConfig) == config(Path("m"), tmp_path)
