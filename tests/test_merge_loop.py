@@ -26,7 +26,7 @@ from opd_jax.cli import app
 from opd_jax.config import MergeConfig, load_config, save_config
 from opd_jax.core import RolloutBatch
 from opd_jax.core.opd_step import teacher_scores
-from opd_jax.merge import LocalTeachers, MergeError, RoutingError, TeacherError, merge
+from opd_jax.merge import LocalTeachers, MergeError, RoutingError, TeacherError, merge, resolve_plan
 from opd_jax.models import Decoder, ModelConfig, load_model, save_model
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.parallel import MeshConfig, make_mesh
@@ -194,6 +194,14 @@ def test_bad_inputs_stop_the_merge_before_training(models, tmp_path):
         with pytest.raises(error, match=message):
             merge(cfg)
         assert not (run_dir / "metrics.jsonl").exists() and not any((run_dir / "checkpoints").iterdir())
+    # a teacher whose scores are NaN stops the merge at its first step, before any update
+    graphdef, weights = nnx.split(Decoder(CONFIG, rngs=nnx.Rngs(0)))
+    save_model(nnx.merge(graphdef, jax.tree.map(lambda x: x * jnp.nan, weights)), bad / "nan", TOKENIZER)
+    run_dir = tmp_path / "nan_teacher"
+    with pytest.raises(TeacherError, match=r"teacher 'max' gave NaN or inf log-probabilities \(logp_teacher\) on "
+                                           r"response tokens of sample\(s\)"):
+        merge(config(models, run_dir, f"teachers.paths.max={bad / 'nan'}"))
+    assert not any((run_dir / "checkpoints").iterdir())
     # a prompt domain no teacher covers
     run_dir = tmp_path / "unrouted"
     cfg = config(models, run_dir, "data.train=[{builtin: max}, {builtin: sort}, {builtin: chain}]")
@@ -222,3 +230,36 @@ def test_config_errors_name_the_problem(tmp_path):
     assert result.exit_code == 2 and "opd.los: unknown key" in result.output
     save_config(config(Path("m"), tmp_path), tmp_path / "merge.yaml")
     assert load_config(tmp_path / "merge.yaml", schema=MergeConfig) == config(Path("m"), tmp_path)
+
+
+def test_plan_from_an_experts_run(tmp_path, models):
+    """What a merge config resolves to: the base as the student, every finished expert as a
+    teacher of its own domains, their prompt sources weighted by `mix`, and teachers from
+    elsewhere beside them."""
+    root = tmp_path / "experts"
+    (root / "base").mkdir(parents=True)
+    (root / "base" / "base.json").write_text(json.dumps({"model": str(models / "student"), "eval": {},
+                                                         "wall_time_s": 1.0}))
+    for name, sources in {"arith": [{"builtin": "addition"}, {"builtin": "multiplication", "weight": 3.0}],
+                          "max": [{"builtin": "max"}]}.items():
+        (root / "experts" / name).mkdir(parents=True)
+        (root / "experts" / name / "expert.json").write_text(json.dumps({
+            "name": name, "model": str(models / "max"), "domains": sorted(s["builtin"] for s in sources),
+            "sources": sources, "wall_time_s": 2.0}))
+    plan = resolve_plan(load_config(None, [f"experts_dir={root}", "mix={arith: 2.0}"], schema=MergeConfig))
+    assert plan.student.path == str(models / "student")
+    assert plan.teacher_names == ["arith", "max"]
+    assert plan.routes == {"addition": 0, "multiplication": 0, "max": 1}
+    # an expert's share is split over its sources by their own weights
+    assert [(s.builtin, s.weight) for s in plan.data.train] == [("addition", 0.5), ("multiplication", 1.5),
+                                                                ("max", 1.0)]
+    # an outside teacher beside the run's experts needs the prompts it teaches
+    extra = f"teachers.paths={{max: {models / 'max'}, parity: {models / 'parity'}}}"
+    with pytest.raises(RoutingError, match="no teacher for domain\\(s\\) sort"):
+        resolve_plan(load_config(None, [f"experts_dir={root}", extra,
+                                        "data.train=[{builtin: parity}, {builtin: sort}]"], schema=MergeConfig))
+    plan = resolve_plan(load_config(None, [f"experts_dir={root}", extra, "data.train=[{builtin: parity}, {builtin: max}]"],
+                                    schema=MergeConfig))
+    assert plan.routes == {"max": 0, "parity": 1} and set(plan.experts) == {"max"}
+    with pytest.raises(MergeError, match="mix names chess, which are not teachers"):
+        resolve_plan(load_config(None, [f"experts_dir={root}", "mix={chess: 1.0}"], schema=MergeConfig))

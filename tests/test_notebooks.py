@@ -9,12 +9,12 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).parents[1]
 
 
-def run_notebook(name, out, monkeypatch):
+def run_notebook(name, out, monkeypatch, devices=8):
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_SCALE", "small")
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_OUT", str(out))
     monkeypatch.setenv("OPD_JAX_QUICKSTART", str(ROOT / "configs" / "quickstart.yaml"))
     # the kernel is a fresh process: give it the same simulated devices as the suite
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
     notebook = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     return json.loads((out / "summary.json").read_text())
@@ -30,9 +30,10 @@ def test_mismatch_notebook(tmp_path, monkeypatch):
     noisy = summary["bf16 + weight noise 0.05 / none"]["abs_dlogp_mean"]
     assert 0 < bf16 < noisy
     assert (tmp_path / "curves.png").exists() and (tmp_path / "delta_logp_hist.png").exists()
-    # the real sglang-jax server: f32 agrees with the f32 trainer; bf16 differs, as the embedded bf16 does
+    # the real sglang-jax server in bf16 differs from the f32 trainer, as the embedded bf16 engine does
+    # (that an f32 server agrees to < 1e-4 is test_bridge_train_sglang's assertion)
     server = json.loads((tmp_path / "server_summary.json").read_text())
-    assert server["sglang-jax f32"]["abs_dlogp"] < 1e-4 < server["sglang-jax bf16"]["abs_dlogp"]
+    assert server["sglang-jax bf16"]["abs_dlogp"] > 1e-4
     assert server["embedded bf16"]["abs_dlogp"] > 1e-4 and server["sglang-jax bf16"]["refit_s"] > 0
 
 
@@ -47,7 +48,9 @@ def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
 def test_opd_merge_notebook(tmp_path, monkeypatch):
     """Three domains at test size: base, experts, merge. The merged student comes close to every
     expert on the expert's own domain and beats averaging the experts' weights."""
-    summary = run_notebook("opd_merge", tmp_path, monkeypatch)
+    # one device, as a user's CPU has: the merge's sharding is checked in test_merge_loop, and
+    # eight simulated devices on two cores would double this, the suite's longest test
+    summary = run_notebook("opd_merge", tmp_path, monkeypatch, devices=1)
     table = summary["domains"]
     assert set(table) == {"addition", "count", "max"}
     for domain, row in table.items():

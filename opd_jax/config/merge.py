@@ -104,7 +104,7 @@ class BaselinesSection(Section):
 
     weight_average: bool = True
     task_arithmetic: bool = True
-    task_arithmetic_scales: list[float] = Field([0.25, 0.5, 0.75, 1.0], min_length=1)
+    task_arithmetic_scales: list[float] = Field([0.1, 0.2, 0.3, 0.5, 0.75, 1.0], min_length=1)
     validation_prompts_per_domain: int = Field(32, gt=0)
 
 

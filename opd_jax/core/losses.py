@@ -15,6 +15,16 @@ import jax.numpy as jnp
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
 
+def check_surrogate(eps_low: float, eps_high: float, dual_clip: float | None, agg: str) -> None:
+    """The clipped surrogate's knobs, as `policy_loss` needs them (ValueError naming the knob)."""
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if agg not in ("token-mean", "seq-mean-token-mean"):
+        raise ValueError(f"unknown loss_agg {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+
+
 def loss_denominator(mask: jax.Array, agg: Aggregation) -> jax.Array:
     """What `agg` divides the summed loss by: the number of masked tokens (token-mean) or of rows
     with at least one masked token (seq-mean-token-mean). Computed once over a whole mini-batch

@@ -13,7 +13,8 @@ Losses (`OPDConfig.loss`):
   minimised directly (teachers must be local: the step needs the teacher's whole distribution).
 - "top_k": the same on the teacher's top-k tokens, both distributions renormalised there.
 For "full" and "top_k" each position's KL is multiplied by the same mismatch weight, and
-α > 0 adds α × the clipped surrogate of Â^ORM.
+α > 0 adds α × the clipped surrogate of Â^ORM. entropy_coef > 0 subtracts coef · the student's
+mean entropy on the response tokens from the loss.
 
 `epochs` × `minibatches` updates, gradients summed over `microbatches`, updates with non-finite
 gradients skipped, exactly as in `ppo_step` (shared machinery in `opd_jax.core.update`).
@@ -33,11 +34,18 @@ from flax import nnx
 from opd_jax.core.advantages import group_advantages
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.losses import Aggregation, aggregate, loss_denominator, policy_loss
+from opd_jax.core.losses import Aggregation, aggregate, check_surrogate, loss_denominator, policy_loss
 from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
 from opd_jax.core.opd import full_reverse_kl, reverse_kl_advantage, top_k_reverse_kl
 from opd_jax.core.state import PolicyState
-from opd_jax.core.update import accumulate_grads, apply_update, map_rows, scan_or_call, split_rows
+from opd_jax.core.update import (
+    accumulate_grads,
+    apply_update,
+    check_batch_split,
+    map_rows,
+    scan_or_call,
+    split_rows,
+)
 
 DistillLoss = Literal["sampled", "full", "top_k"]
 DISTILL_LOSSES: tuple[str, ...] = DistillLoss.__args__  # type: ignore[attr-defined]
@@ -52,6 +60,9 @@ class OPDConfig:
     loss: DistillLoss = "sampled"
     top_k: int = 32
     reward_alpha: float = 0.0
+    # + coef · entropy of the student: reverse KL is mode-seeking, and a student that turns
+    # confident where it is wrong gets almost no gradient from it (see BENCHMARKS.md)
+    entropy_coef: float = 0.0
     grpo_normalize_std: bool = True
     group_size: int = 1
     num_teachers: int = 1
@@ -72,24 +83,15 @@ class OPDConfig:
         for name in ("top_k", "group_size", "num_teachers", "epochs", "minibatches", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.reward_alpha < 0:
-            raise ValueError(f"reward_alpha must be >= 0, got {self.reward_alpha}")
+        if self.reward_alpha < 0 or self.entropy_coef < 0:
+            raise ValueError(f"reward_alpha and entropy_coef must be >= 0, got {self.reward_alpha}, {self.entropy_coef}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (greedy rollouts score at 1.0), got {self.temperature}")
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-            raise ValueError(f"unknown loss_agg {self.loss_agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg)
 
     def check_batch_size(self, batch_size: int) -> None:
-        if self.reward_alpha > 0 and batch_size % self.group_size:
-            raise ValueError(f"batch of {batch_size} samples is not a whole number of groups of {self.group_size}")
-        rows = self.minibatches * self.microbatches
-        if batch_size % rows:
-            raise ValueError(f"batch of {batch_size} samples does not split into {self.minibatches} mini-batches"
-                             f" x {self.microbatches} micro-batches")
+        check_batch_split(batch_size, self.minibatches, self.microbatches,
+                          self.group_size if self.reward_alpha > 0 else None)
 
 
 @flax.struct.dataclass
@@ -239,7 +241,10 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _Targets,
                 metrics["reward_loss"] = jax.lax.stop_gradient(loss)
             loss = loss + distill
         entropy_mean, _, _ = aggregate(entropy, t.mask, config.loss_agg, normalizer)
-        return loss, {**metrics, "loss": jax.lax.stop_gradient(loss), "entropy": jax.lax.stop_gradient(entropy_mean)}
+        metrics = {**metrics, "loss": jax.lax.stop_gradient(loss), "entropy": jax.lax.stop_gradient(entropy_mean)}
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * entropy_mean
+        return loss, metrics
 
     grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
     params, opt_state, apply_metrics = apply_update(state.tx, params, opt_state, grads)

@@ -31,9 +31,18 @@ from flax import nnx
 from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.losses import Aggregation, KLKind, aggregate, kl_estimate, loss_denominator, policy_loss, value_loss
+from opd_jax.core.losses import (
+    Aggregation,
+    KLKind,
+    aggregate,
+    check_surrogate,
+    kl_estimate,
+    loss_denominator,
+    policy_loss,
+    value_loss,
+)
 from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
-from opd_jax.core.update import accumulate_grads, apply_update, map_rows, scan_or_call, split_rows
+from opd_jax.core.update import accumulate_grads, apply_update, check_batch_split, map_rows, scan_or_call, split_rows
 from opd_jax.models import Decoder, ValueModel
 
 
@@ -107,20 +116,11 @@ class PPOConfig:
             raise ValueError(f"lam_policy must be in [0, 1] or 'adaptive', got {self.lam_policy!r}")
         if not (0 <= self.lam_critic <= 1 and 0 <= self.gamma <= 1):
             raise ValueError("gamma and lam_critic must be in [0, 1]")
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-            raise ValueError(f"unknown loss_agg {self.loss_agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg)
 
     def check_batch_size(self, batch_size: int) -> None:
-        if self.advantage == "grpo" and batch_size % self.group_size:
-            raise ValueError(f"batch of {batch_size} samples is not a whole number of groups of {self.group_size}")
-        rows = self.minibatches * self.microbatches
-        if batch_size % rows:
-            raise ValueError(f"batch of {batch_size} samples does not split into {self.minibatches} mini-batches"
-                             f" x {self.microbatches} micro-batches")
+        check_batch_split(batch_size, self.minibatches, self.microbatches,
+                          self.group_size if self.advantage == "grpo" else None)
 
 
 @flax.struct.dataclass

@@ -16,6 +16,16 @@ import jax.numpy as jnp
 import optax
 
 
+def check_batch_split(batch_size: int, minibatches: int, microbatches: int, group_size: int | None = None) -> None:
+    """A batch must split into whole mini- and micro-batches (and whole groups, when a group
+    baseline needs them); ValueError saying which does not."""
+    if group_size is not None and batch_size % group_size:
+        raise ValueError(f"batch of {batch_size} samples is not a whole number of groups of {group_size}")
+    if batch_size % (minibatches * microbatches):
+        raise ValueError(f"batch of {batch_size} samples does not split into {minibatches} mini-batches"
+                         f" x {microbatches} micro-batches")
+
+
 def split_rows(x: jax.Array, n: int) -> jax.Array:
     """[B, ...] -> [n, B/n, ...], slice j holding rows j, j+n, j+2n, ... (strided)."""
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)

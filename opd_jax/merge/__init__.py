@@ -8,7 +8,7 @@ from opd_jax.merge.loop import merge
 from opd_jax.merge.plan import MergeError, MergePlan, TeacherSpec, resolve_plan
 from opd_jax.merge.routing import RoutingError, check_teacher_compatible, routing_table, teacher_indices
 from opd_jax.merge.teachers import LocalTeachers, SGLangTeachers, TeacherError
-from opd_jax.train.rollouts import RunError
+from opd_jax.train.errors import RunError
 
 # what stops a merge before or during training, each with a message naming the culprit
 MERGE_ERRORS = (MergeError, RoutingError, TeacherError, RunError)

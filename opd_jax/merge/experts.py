@@ -28,9 +28,9 @@ from opd_jax.models import save_model
 from opd_jax.train import train
 from opd_jax.train.build import build_policy
 from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import held_out_evaluator
 from opd_jax.train.metrics import read_metrics
-from opd_jax.train.rollouts import RunError
 from opd_jax.train.sft import warm_start
 
 BASE = "base"

@@ -37,8 +37,9 @@ from opd_jax.parallel import (
 )
 from opd_jax.train.build import build_model
 from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.errors import RunError
 from opd_jax.train.metrics import MetricsLog, plot_curves
-from opd_jax.train.rollouts import RolloutSession, RunError
+from opd_jax.train.rollouts import RolloutSession
 
 
 def _name_teachers(metrics: dict[str, float], names: list[str], present: set[int]) -> dict[str, float]:
@@ -64,12 +65,7 @@ def merge(config: MergeConfig, *, resume: bool = False, stop_after: int | None =
     run_dir = Path(config.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     initialize_distributed(config.distributed)
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint.keep)
-    start = checkpoints.latest_step()
-    if start is not None and not resume:
-        checkpoints.close()
-        raise RunError(f"{run_dir} already holds checkpoints (latest: step {start}); pass --resume to continue "
-                       f"it or choose another logging.run_dir")
+    checkpoints, start = Checkpoints.for_run(run_dir, config.checkpoint.keep, resume)
     plan = resolve_plan(config)
     save_config(config, run_dir / "config.yaml")
     student, tokenizer = build_model(plan.student)

@@ -60,7 +60,8 @@ def resolve_plan(config: MergeConfig) -> MergePlan:
         names = sorted(p.name for p in (root / "experts").iterdir() if p.is_dir()) if (root / "experts").is_dir() else []
         if not names and not config.teachers.paths:
             raise MergeError(f"{root} holds no experts (run `opd-jax experts CONFIG`)")
-        wanted = list(config.teachers.paths) or names
+        # teachers.paths may mix the run's experts with teachers from elsewhere
+        wanted = [n for n in config.teachers.paths if n in names] if config.teachers.paths else names
         for name in wanted:
             experts[name] = _read_summary(expert_dir(root, name) / "expert.json", f"expert {name!r}",
                                           f"opd-jax experts CONFIG --only {name}")

@@ -50,14 +50,17 @@ def load_teacher(name: str, path: str | Path, dtype: str, *, weights: bool = Tru
 
 
 def _check_scores(name: str, rows: np.ndarray, scores: dict[str, np.ndarray], mask: np.ndarray) -> None:
-    logp = scores["logp_teacher"]
-    bad = (mask > 0) & ~np.isfinite(logp)
-    positive = (mask > 0) & (logp > 1e-3)
-    for problem, where in (("NaN or inf", bad), ("positive", positive)):
-        if np.any(where):
-            samples = rows[np.any(where, axis=1)]
-            raise TeacherError(f"teacher {name!r} gave {problem} log-probabilities on response tokens of "
-                               f"sample(s) {', '.join(map(str, samples[:8]))}")
+    """Every log-probability a teacher gave on a response token is finite and ≤ 0."""
+    on = mask > 0
+    for field, values in scores.items():
+        if field == "teacher_ids":
+            continue
+        where = on if values.ndim == 2 else on[..., None]
+        for problem, bad in (("NaN or inf", ~np.isfinite(values)), ("positive", values > 1e-3)):
+            bad = np.any((bad & where).reshape(len(rows), -1), axis=1)
+            if np.any(bad):
+                raise TeacherError(f"teacher {name!r} gave {problem} log-probabilities ({field}) on response "
+                                   f"tokens of sample(s) {', '.join(map(str, rows[bad][:8]))}")
 
 
 def _to_host(tree: Any) -> Any:

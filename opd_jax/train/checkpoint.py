@@ -11,8 +11,22 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from opd_jax.train.errors import RunError
+
 
 class Checkpoints:
+    @classmethod
+    def for_run(cls, run_dir: Path, keep: int, resume: bool) -> tuple[Checkpoints, int | None]:
+        """The checkpoints of a run directory and the step to resume from (None: a new run). A
+        directory that already holds checkpoints is refused unless `resume`: nothing is lost."""
+        checkpoints = cls(run_dir / "checkpoints", keep)
+        start = checkpoints.latest_step()
+        if start is not None and not resume:
+            checkpoints.close()
+            raise RunError(f"{run_dir} already holds checkpoints (latest: step {start}); pass --resume to "
+                                 f"continue it or choose another logging.run_dir")
+        return checkpoints, start
+
     def __init__(self, directory: Path, keep: int):
         self.manager = ocp.CheckpointManager(
             directory.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),

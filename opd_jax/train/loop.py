@@ -27,8 +27,9 @@ from opd_jax.parallel import (
 )
 from opd_jax.train.build import build_critic, build_policy
 from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.errors import RunError
 from opd_jax.train.metrics import MetricsLog, plot_curves
-from opd_jax.train.rollouts import RolloutSession, RunError
+from opd_jax.train.rollouts import RolloutSession
 from opd_jax.train.sft import warm_start
 
 __all__ = ["RunError", "memory_report", "train"]
@@ -49,12 +50,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     run_dir = Path(config.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     initialize_distributed(config.distributed)
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint.keep)
-    start = checkpoints.latest_step()
-    if start is not None and not resume:
-        checkpoints.close()
-        raise RunError(f"{run_dir} already holds checkpoints (latest: step {start}); pass --resume to continue "
-                       f"it or choose another logging.run_dir")
+    checkpoints, start = Checkpoints.for_run(run_dir, config.checkpoint.keep, resume)
     save_config(config, run_dir / "config.yaml")
 
     policy, tokenizer = build_policy(config)

@@ -23,14 +23,11 @@ from opd_jax.rewards import load_reward_fn
 from opd_jax.train.batching import RewardError, rollouts_to_batch, score_rollouts
 from opd_jax.train.build import encode_prompt, stop_ids
 from opd_jax.train.engines import close_engine, engine_metrics, make_engine, weight_update
+from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import evaluate
 from rollout_bridge.pipe import PipeError, RolloutPipe
 from rollout_bridge.protocol import EngineError
 from rollout_bridge.records import Request, Rollout, SamplingParams
-
-
-class RunError(RuntimeError):
-    """A run that must stop; the message says why."""
 
 
 class RolloutSession:
