@@ -13,19 +13,19 @@ from opd_jax.core.mismatch import (
                                    tis_weights,
 )
 from opd_jax.core.opd import (
-    full_reverse_kl,
-    opd_advantages,
-    reverse_kl_advantage,
-    select_teacher,
-    top_k_reverse_kl,
+                                   full_reverse_kl,
+                                   opd_advantages,
+                                   reverse_kl_advantage,
+                                   select_teacher,
+                                   top_k_reverse_kl,
 )
 from opd_jax.core.optim import OptimizerConfig, make_optimizer
 from opd_jax.core.ppo import (
                                    KLConfig,
                                    PPOConfig,
                                    PPOState,
+                                   policy_logprobs,
                                    ppo_step,
-                                   reference_logprobs,
                                    score_batch,
                                    sequence_logprobs,
                                    sequence_values,
@@ -34,6 +34,6 @@ from opd_jax.core.ppo import (
 __all__ = ["CORRECTION_KINDS", "BatchError", "KLConfig", "MismatchCorrection", "OptimizerConfig", "PPOConfig",
            "PPOState", "RolloutBatch", "aggregate", "full_reverse_kl", "gae", "group_advantages", "icepop_weights",
            "kl_estimate", "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics",
-           "mismatch_weights", "opd_advantages", "outcome_rewards", "policy_loss", "ppo_step", "reference_logprobs",
+           "mismatch_weights", "opd_advantages", "outcome_rewards", "policy_logprobs", "policy_loss", "ppo_step",
            "reverse_kl_advantage", "score_batch", "select_teacher", "sequence_logprobs", "sequence_values", "shift_right",
            "tis_weights", "token_logprobs", "top_k_reverse_kl", "validate_batch", "value_loss", "whiten"]

@@ -37,6 +37,7 @@ from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.losses import Aggregation, aggregate, check_surrogate, loss_denominator, policy_loss
 from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
 from opd_jax.core.opd import full_reverse_kl, reverse_kl_advantage, top_k_reverse_kl
+from opd_jax.core.ppo import policy_logprobs, sequence_logits
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import (
     accumulate_grads,
@@ -114,22 +115,6 @@ class DistillBatch:
 
 # --- forward passes -------------------------------------------------------------------------
 
-def _logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, temperature: float,
-            unroll: int | bool = 1) -> jax.Array:
-    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask, unroll=unroll)
-    return logits.astype(jnp.float32) / temperature
-
-
-def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
-                    microbatches: int = 1) -> jax.Array:
-    """log π(tokens[b, t] | tokens[b, :t]) at softmax(logits / temperature), zero off the
-    response mask, in `microbatches` slices: the student's θ_old pass."""
-    logp = map_rows(lambda b: token_logprobs(_logits(graphdef, params, b, temperature), b.tokens)[0], batch,
-                    microbatches)
-    return logp * batch.response_mask.astype(jnp.float32)
-
-
 def score_student(state: PolicyState, batch: RolloutBatch, *, temperature: float = 1.0,
                   microbatches: int = 1) -> RolloutBatch:
     """The batch with logp_old filled in: the student's θ_old = state.params (see policy_logprobs)."""
@@ -147,7 +132,7 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
 
     π_t = softmax(teacher logits / temperature). Keys are DistillBatch's field names."""
     def one(b: RolloutBatch) -> dict[str, jax.Array]:
-        logits = _logits(graphdef, params, b, temperature)
+        logits = sequence_logits(graphdef, params, b, temperature=temperature).astype(jnp.float32)
         m = b.response_mask.astype(jnp.float32)
         out = {"logp_teacher": token_logprobs(logits, b.tokens)[0] * m}
         if loss != "sampled":
@@ -221,7 +206,7 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _Targets,
 
     def loss_fn(p, t: _Targets):
         rollout = t.batch.rollout
-        logits = _logits(state.graphdef, p, rollout, config.temperature, config.layer_unroll)
+        logits = sequence_logits(state.graphdef, p, rollout, unroll=config.layer_unroll, temperature=config.temperature)
         logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}

@@ -156,15 +156,20 @@ class PPOState:
 
 # --- forward passes -------------------------------------------------------------------------
 
+def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
+                    temperature: float = 1.0) -> jax.Array:
+    """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V]."""
+    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                         attention_mask=batch.attention_mask, unroll=unroll)
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                       with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0
                       ) -> tuple[jax.Array, jax.Array | None]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature)."""
-    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask, unroll=unroll)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature)
     return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
 
 
@@ -189,10 +194,13 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
     return batch.replace(logp_old=logp_old * m, old_values=old_values * m)
 
 
-def reference_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                       microbatches: int = 1) -> jax.Array:
-    """Per-token log-probs under a frozen reference policy, for the KL term; zero off the mask."""
-    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b)[0], batch, microbatches)
+def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
+                    microbatches: int = 1) -> jax.Array:
+    """Per-token log-probs under fixed parameters, at softmax(logits / temperature), in
+    `microbatches` slices, zero off the response mask: a frozen reference for the KL term, or
+    the OPD student's θ_old."""
+    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature)[0], batch,
+                    microbatches)
     return logp * batch.response_mask.astype(jnp.float32)
 
 
@@ -297,7 +305,8 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig) -> tupl
     if batch.logp_old is None or batch.old_values is None:
         raise ValueError("ppo_step needs batch.logp_old and batch.old_values: run score_batch first")
     if config.kl.enabled and batch.logp_ref is None:
-        raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: run reference_logprobs")
+        raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: run policy_logprobs "
+                         "with the reference's parameters")
     config.check_batch_size(batch.tokens.shape[0])
     targets, stats = _targets(batch, config)
     minibatches = jax.tree.map(lambda x: split_rows(x, config.minibatches), targets)

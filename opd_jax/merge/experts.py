@@ -24,6 +24,7 @@ from typing import Any
 
 from opd_jax.config import TrainConfig, load_config, save_config, to_plain
 from opd_jax.config.merge import ExpertsConfig
+from opd_jax.data import source_domains
 from opd_jax.models import save_model
 from opd_jax.train import train
 from opd_jax.train.build import build_policy
@@ -118,11 +119,9 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
     if summary_path.exists():
         return json.loads(summary_path.read_text())
     cfg = expert_train_config(config, name)
-    resume = False
-    if (directory / "checkpoints").exists():
-        checkpoints = Checkpoints(directory / "checkpoints", cfg.checkpoint.keep)
-        resume = checkpoints.latest_step() is not None
-        checkpoints.close()
+    checkpoints, last = Checkpoints.for_run(directory, cfg.checkpoint.keep, resume=True)
+    checkpoints.close()
+    resume = last is not None
     began = time.perf_counter()
     try:
         train(cfg, resume=resume)
@@ -130,8 +129,9 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
         raise ExpertsError(f"expert {name!r}: {e}") from None
     rows = read_metrics(directory / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
-    domains = sorted({k.split("/")[1] for k in evals[-1] if k.startswith("eval/") and k != "eval/accuracy"})
-    accuracy = lambda row: {d: row[f"eval/{d}/accuracy"] for d in domains}  # noqa: E731
+    domains = sorted(set().union(*(source_domains(s) for s in config.experts[name])))
+    # a JSONL source without an eval file has no held-out accuracy
+    accuracy = lambda row: {d: row[f"eval/{d}/accuracy"] for d in domains if f"eval/{d}/accuracy" in row}  # noqa: E731
     summary = {"name": name, "model": str((directory / "hf_policy").resolve()), "domains": domains,
                "sources": [to_plain(s) for s in config.experts[name]], "steps": cfg.steps,
                "eval": accuracy(evals[-1]), "eval_at_start": accuracy(evals[0]) if evals[0]["step"] == 0 else None,
