@@ -71,7 +71,7 @@ def resolve_plan(config: MergeConfig) -> MergePlan:
                          for n, p in config.teachers.paths.items())
     else:
         teachers = tuple(TeacherSpec(n, Path(e["model"]), tuple(e["domains"])) for n, e in experts.items())
-    student = config.student or ModelSection(path=base["model"], dtype=config.teachers.dtype)
+    student = config.student or ModelSection(path=base["model"])  # the trainer's own precision
     unknown = sorted(set(config.mix) - {t.name for t in teachers})
     if unknown:
         raise MergeError(f"mix names {', '.join(unknown)}, which are not teachers ({', '.join(t.name for t in teachers)})")
