@@ -25,7 +25,16 @@ import numpy as np
 from bench_common import best_time, flops_per_token, machine, roofline_flops
 from flax import nnx
 
-from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, RolloutBatch, make_optimizer, ppo_step, score_batch
+from opd_jax.core import (
+    OptimizerConfig,
+    PPOConfig,
+    PPOState,
+    RolloutBatch,
+    UpdateConfig,
+    make_optimizer,
+    ppo_step,
+    score_batch,
+)
 from opd_jax.models import Decoder, ModelConfig, ValueModel
 
 CONFIG = ModelConfig(family="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=6,
@@ -62,7 +71,7 @@ def time_opd_jax(args, compute_dtype) -> float:
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
     state = PPOState.create(policy, critic, tx, tx)
     batch = jax.jit(score_batch)(state, random_batch(args.batch, args.prompt, args.response))
-    config = PPOConfig(microbatches=args.microbatches, layer_unroll=args.unroll)
+    config = PPOConfig(update=UpdateConfig(microbatches=args.microbatches, layer_unroll=args.unroll))
     step = jax.jit(functools.partial(ppo_step, config=config), donate_argnums=0)
     start = time.perf_counter()
     step.lower(state, batch).compile()

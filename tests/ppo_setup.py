@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, RolloutBatch, make_optimizer, score_batch
+from opd_jax.core import (
+    OptimizerConfig,
+    PPOConfig,
+    PPOState,
+    RolloutBatch,
+    SurrogateConfig,
+    UpdateConfig,
+    make_optimizer,
+    score_batch,
+)
 from opd_jax.models import Decoder, ModelConfig, ValueModel
 
 # every sharded dimension divides by 2 and 4 (embed over fsdp, heads/mlp/vocab over tensor)
@@ -51,7 +60,7 @@ def scored_batch(state, seed=0, B=16, T=12, noise=0.4):
 
 
 # the step every sharding test runs: two mini-batches, Adam behind clipping
-STEP_CONFIG = PPOConfig(minibatches=2, entropy_coef=0.01)
+STEP_CONFIG = PPOConfig(update=UpdateConfig(minibatches=2), surrogate=SurrogateConfig(entropy_coef=0.01))
 
 
 def step_optimizer():

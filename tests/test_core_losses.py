@@ -92,15 +92,16 @@ def test_icepop_and_tis_match_numpy_with_bounds_hit_exactly():
     logp_infer = -rng.uniform(0.1, 4, (4, 64)).astype(np.float32)
     logp_old = (logp_infer + rng.normal(scale=1.0, size=(4, 64))).astype(np.float32)
     k = np.exp(logp_old.astype(np.float64) - logp_infer)
-    ours = np.asarray(icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), beta=2.0))
+    ALL = jnp.ones((4, 64))
+    ours = np.asarray(icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), ALL, hi=2.0))
     np.testing.assert_allclose(ours, np.where((k >= 0.5) & (k <= 2.0), k, 0.0), rtol=1e-5)
     assert 0 < (ours == 0).mean() < 1
-    ours = np.asarray(icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), beta=3.0, alpha=0.8))
+    ours = np.asarray(icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), ALL, hi=3.0, lo=0.8))
     np.testing.assert_allclose(ours, np.where((k >= 0.8) & (k <= 3.0), k, 0.0), rtol=1e-5)
     # bounds are inclusive: k = exp(0) = 1 exactly, with the band [1, 1]
     same = jnp.asarray(logp_infer)
-    np.testing.assert_array_equal(np.asarray(icepop_weights(same, same, beta=1.0, alpha=1.0)), 1.0)
-    tis = np.asarray(tis_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), hi=2.0))
+    np.testing.assert_array_equal(np.asarray(icepop_weights(same, same, ALL, hi=1.0, lo=1.0)), 1.0)
+    tis = np.asarray(tis_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), ALL, hi=2.0))
     np.testing.assert_allclose(tis, np.minimum(k, 2.0), rtol=1e-5)
 
 
@@ -173,7 +174,7 @@ def test_masked_and_icepop_rejected_tokens_get_exactly_zero_gradient(seed, beta)
     logp_infer = (logp_old + rng.normal(scale=1.0, size=(B, T))).astype(np.float32)
     logp = (logp_old + rng.normal(scale=0.1, size=(B, T))).astype(np.float32)
     A = rng.normal(size=(B, T)).astype(np.float32)
-    w = icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), beta=beta)
+    w = icepop_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), jnp.asarray(m), hi=beta)
 
     def loss_fn(lp):
         return policy_loss(lp, jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m), weights=w)[0]
@@ -181,7 +182,7 @@ def test_masked_and_icepop_rejected_tokens_get_exactly_zero_gradient(seed, beta)
     grad = np.asarray(jax.grad(loss_fn)(jnp.asarray(logp)))
     dead = (m == 0) | (np.asarray(w) == 0)
     assert np.all(grad[dead] == 0.0)
-    w_grad = np.asarray(jax.grad(lambda lo: icepop_weights(lo, jnp.asarray(logp_infer), beta).sum())(
+    w_grad = np.asarray(jax.grad(lambda lo: icepop_weights(lo, jnp.asarray(logp_infer), jnp.asarray(m), hi=beta).sum())(
         jnp.asarray(logp_old)))
     assert np.all(w_grad == 0.0)  # stop-gradient
 

@@ -28,9 +28,10 @@ def numpy_weights(logp_old, logp_infer, m, kind, hi, lo, veto):
     elif kind == "tis":
         w = np.clip(k, 0 if lo is None else lo, hi)
     elif kind == "seq-tis":
-        w = np.broadcast_to(np.minimum(np.exp(seq), hi), k.shape)
+        w = np.broadcast_to(np.clip(np.exp(seq), 0 if lo is None else lo, hi), k.shape)
     elif kind == "seq-mis":
-        w = np.broadcast_to(np.where(np.exp(seq) <= hi, np.exp(seq), 0), k.shape)
+        lo = 0 if lo is None else lo
+        w = np.broadcast_to(np.where((np.exp(seq) >= lo) & (np.exp(seq) <= hi), np.exp(seq), 0), k.shape)
     else:
         lo = 1 / hi if lo is None else lo
         geo = np.exp(seq / n)
@@ -121,6 +122,51 @@ def test_bad_correction_configs_are_named():
         MismatchCorrection("tis", hi=2.0, lo=3.0)
     with pytest.raises(ValueError, match="veto"):
         MismatchCorrection("none", veto=2.0)
+    with pytest.raises(ValueError, match="'none' has no bounds"):
+        MismatchCorrection("none", lo=0.5)
+
+
+@pytest.mark.parametrize("kind", ["seq-tis", "seq-mis"])
+def test_sequence_kinds_apply_lo(kind):
+    # three rows with ρ = 0.25, 1.0, 1.5 over two tokens each
+    logp_infer = np.full((3, 2), -1.0, np.float32)
+    logp_old = logp_infer + np.log(np.array([[0.5, 0.5], [1.0, 1.0], [1.5, 1.0]], np.float32))
+    m = np.ones((3, 2), np.float32)
+    correction = MismatchCorrection(kind, hi=2.0, lo=0.5)
+    ours = np.asarray(mismatch_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), jnp.asarray(m), correction))
+    np.testing.assert_allclose(ours, numpy_weights(logp_old, logp_infer, m, kind, 2.0, 0.5, None), rtol=1e-5)
+    assert ours[0, 0] == (0.5 if kind == "seq-tis" else 0.0)  # below lo: clipped up, or rejected
+
+
+@pytest.mark.parametrize("kind", CORRECTION_KINDS)
+@pytest.mark.parametrize("junk", [-np.inf, np.nan])
+def test_nonfinite_values_off_the_mask_change_nothing(kind, junk):
+    """Engines report −inf (or nothing, NaN) where there is no sampled token: off the response
+    mask that must not reach any weight or metric (masks select, they do not multiply)."""
+    rng = np.random.default_rng(zlib.crc32(repr((kind, junk)).encode()))
+    m = ragged(rng, 8, 10)
+    logp_infer = -rng.uniform(0.05, 3, m.shape).astype(np.float32)
+    logp_old = (logp_infer + rng.normal(scale=0.3, size=m.shape)).astype(np.float32)
+    dirty = np.where(m > 0, logp_infer, junk).astype(np.float32)
+    correction = MismatchCorrection(kind)
+    clean_w = np.asarray(mismatch_weights(jnp.asarray(logp_old), jnp.asarray(logp_infer), jnp.asarray(m), correction))
+    dirty_w = np.asarray(mismatch_weights(jnp.asarray(logp_old), jnp.asarray(dirty), jnp.asarray(m), correction))
+    np.testing.assert_array_equal(dirty_w, clean_w)
+    assert np.all(np.isfinite(dirty_w)) and (kind == "none" or np.any(dirty_w[m > 0] > 0))
+    clean = mismatch_metrics(jnp.asarray(logp_old), jnp.asarray(logp_infer), jnp.asarray(m), correction)
+    dirty_metrics = mismatch_metrics(jnp.asarray(logp_old), jnp.asarray(dirty), jnp.asarray(m), correction)
+    for name, value in clean.items():
+        np.testing.assert_array_equal(np.asarray(dirty_metrics[name]), np.asarray(value), err_msg=name)
+
+
+def test_band_metric_uses_the_configured_bounds():
+    logp_infer = np.zeros((1, 4), np.float32) - 1.0
+    logp_old = logp_infer + np.log(np.array([[0.3, 0.6, 2.5, 4.0]], np.float32))
+    m = np.ones((1, 4), np.float32)
+    frac = lambda c: float(mismatch_metrics(jnp.asarray(logp_old), jnp.asarray(logp_infer), jnp.asarray(m),  # noqa: E731
+                                            c)["mismatch_outside_band_frac"])
+    assert frac(MismatchCorrection("icepop", hi=2.0)) == 0.75  # [0.5, 2]: GLM-5
+    assert frac(MismatchCorrection("icepop", hi=5.0, lo=0.5)) == 0.25  # [0.5, 5]: verl / OpenRLHF
 
 
 def test_mismatch_metrics_match_numpy():

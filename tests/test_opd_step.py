@@ -16,9 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ppo_setup import TINY, assert_updates_close, rollout_batch
 
-from opd_jax.core import MismatchCorrection
-from opd_jax.core.opd_step import DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
-from opd_jax.core.state import PolicyState
+from opd_jax.core import (
+    DistillBatch,
+    MismatchCorrection,
+    OPDConfig,
+    PolicyState,
+    SurrogateConfig,
+    UpdateConfig,
+    opd_step,
+    score_student,
+    teacher_scores,
+)
 from opd_jax.models import Decoder
 
 T_SAMPLE = 0.7  # the student's sampling temperature: student and teachers score at it
@@ -63,14 +71,14 @@ def log_softmax(x):
     return x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
 
 
-def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr):
+def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_size=1):
     """One SGD step on the OPD objective, written from the formulas with plain jnp."""
     r = batch.rollout
     m = r.response_mask
     lold, linf = r.logp_old, r.logp_infer
     k = jnp.exp(lold - linf)
     w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * m  # IcePop, β = 2
-    rewards = r.rewards.reshape(-1, config.group_size)
+    rewards = r.rewards.reshape(-1, group_size)
     group = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
     reward_adv = config.reward_alpha * group[:, None] * m
     advantages = reward_adv + ((batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
@@ -78,7 +86,7 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr):
 
     def objective(params):
         logits = nnx.merge(state.graphdef, params)(r.tokens, positions=positions, attention_mask=r.attention_mask)
-        logits = logits / config.temperature
+        logits = logits / T_SAMPLE
         prev = log_softmax(logits[:, :-1])  # predicts tokens 1..T-1
         logp = jnp.pad(jnp.take_along_axis(prev, r.tokens[:, 1:, None], -1)[..., 0], ((0, 0), (1, 0)))
         ratio = jnp.exp(logp - lold)
@@ -99,22 +107,24 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr):
     return jax.tree.map(lambda p, g: p - lr * g, state.params, grads)
 
 
-VARIANTS = {
-    "sampled (GLM-5)": OPDConfig(temperature=T_SAMPLE, num_teachers=2),
-    "sampled + reward (MOPD)": OPDConfig(temperature=T_SAMPLE, num_teachers=2, reward_alpha=0.5, group_size=4),
-    "full vocabulary": OPDConfig(loss="full", temperature=T_SAMPLE, num_teachers=2),
-    "top-k + reward": OPDConfig(loss="top_k", top_k=8, temperature=T_SAMPLE, num_teachers=2, reward_alpha=0.3,
-                                group_size=4),
+# what the run passes to every step: two teachers, the engine's sampling temperature
+RUN = {"num_teachers": 2, "temperature": T_SAMPLE}
+
+VARIANTS = {  # config, samples per prompt
+    "sampled (GLM-5)": (OPDConfig(), 1),
+    "sampled + reward (MOPD)": (OPDConfig(reward_alpha=0.5), 4),
+    "full vocabulary": (OPDConfig(loss="full"), 1),
+    "top-k + reward": (OPDConfig(loss="top_k", top_k=8, reward_alpha=0.3), 4),
 }
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_step_matches_reference_sgd_update(name):
-    config, lr = VARIANTS[name], 0.05
+    (config, group_size), lr = VARIANTS[name], 0.05
     state, batch, models, index = setup(optax.sgd(lr))
     distill = distill_batch(batch, models, index, config.loss, config.top_k)
-    new, metrics = jax.jit(functools.partial(opd_step, config=config))(state, distill)
-    assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr), state.params)
+    new, metrics = jax.jit(functools.partial(opd_step, config=config, group_size=group_size, **RUN))(state, distill)
+    assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr, group_size), state.params)
     assert int(new.step) == 1
     # the per-teacher reverse KL: mean of log π_old − log π_teacher over each teacher's tokens
     m, gap = host(batch.response_mask), host(batch.logp_old) - host(distill.logp_teacher)
@@ -154,10 +164,11 @@ def test_micro_batches_and_mini_batches(loss="full"):
     tx = optax.adam(1e-2)
     state, batch, models, index = setup(tx)
     distill = distill_batch(batch, models, index, loss)
-    base = OPDConfig(loss=loss, temperature=T_SAMPLE, num_teachers=2, epochs=2, minibatches=2,
-                     loss_agg="seq-mean-token-mean")
-    one, m1 = jax.jit(functools.partial(opd_step, config=base))(state, distill)
-    many, m4 = jax.jit(functools.partial(opd_step, config=dataclasses.replace(base, microbatches=4)))(state, distill)
+    base = OPDConfig(loss=loss, update=UpdateConfig(epochs=2, minibatches=2),
+                     surrogate=SurrogateConfig(loss_agg="seq-mean-token-mean"))
+    one, m1 = jax.jit(functools.partial(opd_step, config=base, **RUN))(state, distill)
+    micro = dataclasses.replace(base, update=UpdateConfig(epochs=2, minibatches=2, microbatches=4))
+    many, m4 = jax.jit(functools.partial(opd_step, config=micro, **RUN))(state, distill)
     assert_updates_close(many.params, one.params, state.params, rtol=2e-3)
     np.testing.assert_allclose(float(m4["student/loss"]), float(m1["student/loss"]), rtol=1e-4)
 
@@ -165,7 +176,7 @@ def test_micro_batches_and_mini_batches(loss="full"):
 @functools.cache
 def _masking_case(loss):
     state, batch, models, index = setup(optax.sgd(0.1))
-    step = jax.jit(functools.partial(opd_step, config=OPDConfig(loss=loss, temperature=T_SAMPLE, num_teachers=2)))
+    step = jax.jit(functools.partial(opd_step, config=OPDConfig(loss=loss), **RUN))
     return state, batch, distill_batch(batch, models, index, loss), step
 
 
@@ -193,8 +204,8 @@ def test_full_reverse_kl_moves_the_student_to_its_teachers():
     """Repeated steps on one batch shrink each row's KL to its own teacher (not a shared one)."""
     state, batch, models, index = setup(optax.adam(3e-3))
     distill = distill_batch(batch, models, index, "full")
-    step = jax.jit(functools.partial(opd_step, config=OPDConfig(loss="full", temperature=T_SAMPLE, num_teachers=2,
-                                                                mismatch=MismatchCorrection("none"))))
+    config = OPDConfig(loss="full", surrogate=SurrogateConfig(mismatch=MismatchCorrection("none")))
+    step = jax.jit(functools.partial(opd_step, config=config, **RUN))
     first = None
     for _ in range(30):
         state, metrics = step(state, distill)
@@ -213,4 +224,4 @@ def test_missing_inputs_are_named():
     with pytest.raises(ValueError, match="unknown OPD loss 'forward'"):
         OPDConfig(loss="forward")
     with pytest.raises(ValueError, match="not a whole number of groups of 3"):
-        opd_step(state, distill, config=OPDConfig(reward_alpha=1.0, group_size=3))
+        opd_step(state, distill, config=OPDConfig(reward_alpha=1.0), group_size=3)

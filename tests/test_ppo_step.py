@@ -18,6 +18,8 @@ from opd_jax.core import (
     MismatchCorrection,
     OptimizerConfig,
     PPOConfig,
+    SurrogateConfig,
+    UpdateConfig,
     make_optimizer,
     ppo_step,
     score_batch,
@@ -48,7 +50,7 @@ def reference_targets(batch, config):
         adv[i] = numpy_gae(rewards[i:i + 1], values[i:i + 1], m[i:i + 1], config.gamma, lam)[0]
     returns = numpy_gae(rewards, values, m, config.gamma, config.lam_critic)[1]
     k = np.exp(logp_old - host(batch.logp_infer)) * m
-    kind, hi = config.mismatch.kind, config.mismatch.hi
+    kind, hi = config.surrogate.mismatch.kind, config.surrogate.mismatch.hi
     w = {"icepop": np.where((k >= 1 / hi) & (k <= hi), k, 0), "tis": np.clip(k, 0, hi),
          "none": np.ones_like(k)}[kind] * m
     return adv, returns, w
@@ -74,13 +76,14 @@ def reference_sgd_step(state, batch, config, lr):
         logp = jnp.pad(jnp.take_along_axis(logsm, tokens[:, 1:, None], -1)[..., 0], ((0, 0), (1, 0)))
         entropy = jnp.pad(-jnp.sum(jnp.exp(logsm) * logsm, -1), ((0, 0), (1, 0)))
         r = jnp.exp(logp - batch.logp_old)
-        per = -w * jnp.minimum(r * adv, jnp.clip(r, 1 - config.eps_low, 1 + config.eps_high) * adv)
-        if config.dual_clip:
-            per = jnp.where(adv < 0, jnp.minimum(per, -w * config.dual_clip * adv), per)
-        loss = aggregate(per, m, config.loss_agg) - config.entropy_coef * aggregate(entropy, m, config.loss_agg)
+        s = config.surrogate
+        per = -w * jnp.minimum(r * adv, jnp.clip(r, 1 - s.eps_low, 1 + s.eps_high) * adv)
+        if s.dual_clip:
+            per = jnp.where(adv < 0, jnp.minimum(per, -w * s.dual_clip * adv), per)
+        loss = aggregate(per, m, s.loss_agg) - s.entropy_coef * aggregate(entropy, m, s.loss_agg)
         if config.kl.coef and config.kl.where == "loss":
             x = logp - batch.logp_ref
-            loss = loss + config.kl.coef * aggregate(jnp.exp(-x) - 1 + x, m, config.loss_agg)  # k3
+            loss = loss + config.kl.coef * aggregate(jnp.exp(-x) - 1 + x, m, s.loss_agg)  # k3
         return loss
 
     def critic_objective(params):
@@ -100,13 +103,17 @@ def assert_trees_close(a, b, rtol=2e-4):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * max(np.abs(y).max(), 1e-3))
 
 
+NO_CORRECTION = SurrogateConfig(mismatch=MismatchCorrection("none"))
+
 VARIANTS = {
     "glm5-default": PPOConfig(),
-    "tis-seqmean-dualclip-adaptive": PPOConfig(mismatch=MismatchCorrection("tis", hi=1.5), loss_agg="seq-mean-token-mean",
-                                               dual_clip=3.0, lam_policy="adaptive", adaptive_alpha=0.5),
-    "kl-loss-entropy": PPOConfig(kl=KLConfig(coef=0.1, kind="k3", where="loss"), entropy_coef=0.01, gamma=0.99),
+    "tis-seqmean-dualclip-adaptive": PPOConfig(surrogate=SurrogateConfig(mismatch=MismatchCorrection("tis", hi=1.5),
+                                                                         loss_agg="seq-mean-token-mean", dual_clip=3.0),
+                                               lam_policy="adaptive", adaptive_alpha=0.5),
+    "kl-loss-entropy": PPOConfig(kl=KLConfig(coef=0.1, kind="k3", where="loss"),
+                                 surrogate=SurrogateConfig(entropy_coef=0.01), gamma=0.99),
     "kl-reward-no-correction": PPOConfig(kl=KLConfig(coef=0.2, kind="low-var", where="reward"),
-                                         mismatch=MismatchCorrection("none"), lam_policy=1.0),
+                                         surrogate=NO_CORRECTION, lam_policy=1.0),
 }
 
 
@@ -151,12 +158,12 @@ def test_score_batch_matches_a_plain_forward():
 
 def test_minibatches_are_sequential_updates_on_strided_rows():
     lr = 0.05
-    config = PPOConfig(minibatches=2, mismatch=MismatchCorrection("none"))
+    config = PPOConfig(update=UpdateConfig(minibatches=2), surrogate=NO_CORRECTION)
     state = make_state(optax.sgd(lr), optax.sgd(lr))
     batch = scored_batch(state)
     new, _ = jax.jit(functools.partial(ppo_step, config=config))(state, batch)
     # by hand: GAE on the whole batch is per row, so update on rows 0,2,4,... then on 1,3,5,...
-    one = PPOConfig(mismatch=MismatchCorrection("none"))
+    one = PPOConfig(surrogate=NO_CORRECTION)
     rows = lambda b, j: jax.tree.map(lambda x: x[j::2], b)
     step_one = jax.jit(functools.partial(ppo_step, config=one))
     mid, _ = step_one(state, rows(batch, 0))
@@ -170,10 +177,10 @@ def test_micro_batch_accumulation_equals_one_batch(microbatches):
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0))
     state = make_state(tx, tx)
     batch = scored_batch(state)
-    base = PPOConfig(epochs=2, minibatches=2, loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+    surrogate = SurrogateConfig(loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+    base = PPOConfig(update=UpdateConfig(epochs=2, minibatches=2), surrogate=surrogate)
     one, m1 = jax.jit(functools.partial(ppo_step, config=base))(state, batch)
-    acc = PPOConfig(epochs=2, minibatches=2, loss_agg="seq-mean-token-mean", entropy_coef=0.01,
-                    microbatches=microbatches)
+    acc = PPOConfig(update=UpdateConfig(epochs=2, minibatches=2, microbatches=microbatches), surrogate=surrogate)
     many, mk = jax.jit(functools.partial(ppo_step, config=acc))(state, batch)
     # Adam divides by √v, so compare updates, relative to their size
     assert_updates_close(many.policy, one.policy, state.policy, rtol=2e-3)
@@ -252,15 +259,15 @@ def test_bad_batches_are_named():
 
 def test_bad_configs_and_shapes_are_named():
     with pytest.raises(ValueError, match="minibatches must be >= 1"):
-        PPOConfig(minibatches=0)
+        UpdateConfig(minibatches=0)
     with pytest.raises(ValueError, match="unknown loss_agg 'sum'"):
-        PPOConfig(loss_agg="sum")
+        SurrogateConfig(loss_agg="sum")
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        PPOConfig(dual_clip=0.5)
+        SurrogateConfig(dual_clip=0.5)
     state = make_state(optax.sgd(0.1), optax.sgd(0.1))
     batch = scored_batch(state)
     with pytest.raises(ValueError, match="batch of 16 samples does not split into 3 mini-batches x 1 micro-batches"):
-        ppo_step(state, batch, config=PPOConfig(minibatches=3))
+        ppo_step(state, batch, config=PPOConfig(update=UpdateConfig(minibatches=3)))
     with pytest.raises(ValueError, match="run score_batch first"):
         ppo_step(state, rollout_batch(), config=PPOConfig())
     with pytest.raises(ValueError, match="logp_ref is missing"):
@@ -271,10 +278,10 @@ def test_bad_configs_and_shapes_are_named():
 
 def test_grpo_uses_the_group_baseline_and_leaves_the_critic_alone():
     lr = 0.05
-    config = PPOConfig(advantage="grpo", group_size=4, mismatch=MismatchCorrection("none"))
+    config = PPOConfig(advantage="grpo", surrogate=NO_CORRECTION)
     state = make_state(optax.sgd(lr), optax.sgd(lr))
     batch = scored_batch(state)
-    new, metrics = jax.jit(functools.partial(ppo_step, config=config))(state, batch)
+    new, metrics = jax.jit(functools.partial(ppo_step, config=config, group_size=4))(state, batch)
     assert not any(k.startswith("critic/") for k in metrics)
     for a, b in zip(jax.tree.leaves(new.critic), jax.tree.leaves(state.critic)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -284,4 +291,25 @@ def test_grpo_uses_the_group_baseline_and_leaves_the_critic_alone():
     m = host(batch.response_mask)
     np.testing.assert_allclose(float(metrics["advantage_mean"]), (group[:, None] * m).sum() / m.sum(), rtol=1e-5)
     with pytest.raises(ValueError, match="not a whole number of groups of 5"):
-        ppo_step(state, batch, config=PPOConfig(advantage="grpo", group_size=5))
+        ppo_step(state, batch, config=PPOConfig(advantage="grpo"), group_size=5)
+
+
+@pytest.mark.parametrize("kind", ["tis", "seq-tis", "seq-mis", "geo-reject"])
+def test_minus_inf_engine_logprobs_off_the_mask_leave_the_step_unchanged(kind):
+    """validate_batch accepts −inf engine log-probs outside the response mask (nothing was
+    sampled there); the step must select, not multiply, so the update is the clean batch's and
+    is not skipped (a NaN loss would skip every update and training would silently stop)."""
+    state = make_state(optax.sgd(0.05), optax.sgd(0.05))
+    batch = scored_batch(state)
+    dirty = batch.replace(logp_infer=jnp.where(batch.response_mask > 0, batch.logp_infer, -jnp.inf))
+    validate_batch(dirty)
+    step = jax.jit(functools.partial(ppo_step, config=PPOConfig(
+        surrogate=SurrogateConfig(mismatch=MismatchCorrection(kind, hi=1.5 if kind != "geo-reject" else 1.2)))))
+    clean_state, clean = step(state, batch)
+    dirty_state, metrics = step(state, dirty)
+    assert float(metrics["policy/skipped_nonfinite"]) == 0.0 and np.isfinite(float(metrics["policy/loss"]))
+    assert float(metrics["policy/weight_zero_frac"]) < 1.0
+    for a, b in zip(jax.tree.leaves(dirty_state.policy), jax.tree.leaves(clean_state.policy)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for name, value in clean.items():
+        np.testing.assert_array_equal(float(metrics[name]), float(value), err_msg=name)

@@ -31,12 +31,12 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1
         r_t, v_t, m_t = x
         adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
         carry = (jnp.where(m_t > 0, v_t, next_value), jnp.where(m_t > 0, adv, next_adv))
-        return carry, adv * m_t
+        return carry, jnp.where(m_t > 0, adv, 0.0)
 
     zeros = jnp.zeros(rewards.shape[0], jnp.float32)
     _, adv = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
     adv = adv.T
-    return adv, (adv + v) * m
+    return adv, jnp.where(m > 0, adv + v, 0.0)
 
 
 def group_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = True,
@@ -83,6 +83,7 @@ def whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
                             custom_message="whiten: x and mask must share one shape")
     m = mask.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(m), 1.0)
-    mean = jnp.sum(x * m) / n
-    var = jnp.sum(jnp.square(x - mean) * m) / n
-    return (x - mean) / (jnp.sqrt(var) + eps) * m
+    on = m > 0
+    mean = jnp.sum(jnp.where(on, x, 0.0)) / n
+    var = jnp.sum(jnp.where(on, jnp.square(x - mean), 0.0)) / n
+    return jnp.where(on, (x - mean) / (jnp.sqrt(var) + eps), 0.0)

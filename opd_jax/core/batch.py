@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.errors import OpdJaxError
 
-class BatchError(ValueError):
+
+class BatchError(OpdJaxError, ValueError):
     """A batch that cannot be trained on; the message names the field and the sample indices."""
 
 

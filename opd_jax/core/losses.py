@@ -2,15 +2,20 @@
 
 Each loss returns (loss, metrics) with metrics["loss_sum"] and metrics["token_count"] beside the
 reduced loss, so micro-batch gradient accumulation can reduce exactly as one big batch would.
+Masks select (`where`), they never multiply: a NaN or −inf off the mask stays out of every sum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import chex
 import jax
 import jax.numpy as jnp
+
+from opd_jax.core.metrics import Maxed, Summed
+from opd_jax.core.mismatch import MismatchCorrection
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
@@ -23,6 +28,34 @@ def check_surrogate(eps_low: float, eps_high: float, dual_clip: float | None, ag
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     if agg not in ("token-mean", "seq-mean-token-mean"):
         raise ValueError(f"unknown loss_agg {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
+
+
+@dataclasses.dataclass(frozen=True)
+class SurrogateConfig:
+    """The clipped, mismatch-weighted policy loss every RL step trains through (PPO, OPD): clip
+    range [1 − eps_low, 1 + eps_high] (DAPO's clip-higher), optional dual clip c > 1, the loss
+    aggregation, the train/inference mismatch correction (IcePop β = 2 by default), and an
+    entropy bonus: loss − entropy_coef · mean entropy of the policy on the response tokens."""
+
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
+
+    eps_low: float = 0.2
+    """Clip the ratio from below at 1 − eps_low."""
+    eps_high: float = 0.28
+    """Clip the ratio from above at 1 + eps_high (DAPO's clip-higher)."""
+    dual_clip: float | None = None
+    """Dual clip c > 1: for A < 0 the loss is at most −c·A; unset: off."""
+    loss_agg: Aggregation = "token-mean"
+    """token-mean over the batch (DAPO) or seq-mean-token-mean (GRPO paper)."""
+    mismatch: MismatchCorrection = MismatchCorrection()
+    """The train/inference mismatch correction that weights each token."""
+    entropy_coef: float = 0.0
+    """Subtract entropy_coef × the policy's mean entropy on response tokens from the loss."""
+
+    def __post_init__(self):
+        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg)
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
 
 
 def loss_denominator(mask: jax.Array, agg: Aggregation) -> jax.Array:
@@ -48,11 +81,12 @@ def aggregate(per_token: jax.Array, mask: jax.Array, agg: Aggregation,
     `normalizer` replaces this batch's own denominator (see `loss_denominator`)."""
     m = mask.astype(jnp.float32)
     count = loss_denominator(m, agg)
+    selected = jnp.where(m > 0, per_token, 0.0)
     if agg == "token-mean":
-        total = jnp.sum(per_token * m)
+        total = jnp.sum(selected)
     else:
         row_count = jnp.sum(m, axis=1)
-        total = jnp.sum(jnp.where(row_count > 0, jnp.sum(per_token * m, axis=1) / jnp.maximum(row_count, 1.0), 0.0))
+        total = jnp.sum(jnp.where(row_count > 0, jnp.sum(selected, axis=1) / jnp.maximum(row_count, 1.0), 0.0))
     denominator = count if normalizer is None else jnp.asarray(normalizer, jnp.float32)
     return total / jnp.maximum(denominator, 1.0), total, count
 
@@ -86,14 +120,14 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
         per_token = jnp.where(A < 0, jnp.minimum(per_token, -w * dual_clip * A), per_token)
     loss, total, count = aggregate(per_token, m, agg, normalizer)
     n = jnp.maximum(jnp.sum(m), 1.0)
-    masked_mean = lambda x: jnp.sum(x * m) / n  # noqa: E731
+    masked_mean = lambda x: jnp.sum(jnp.where(m > 0, x, 0.0)) / n  # noqa: E731
     metrics = {
-        "loss_sum": total, "token_count": count,
+        "loss_sum": Summed(total), "token_count": Summed(count),
         "clip_frac_low": masked_mean(((ratio < 1.0 - eps_low) & (A < 0)).astype(jnp.float32)),
         "clip_frac_high": masked_mean(((ratio > 1.0 + eps_high) & (A > 0)).astype(jnp.float32)),
         "approx_kl_k3": masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio),
         "ratio_mean": masked_mean(ratio),
-        "ratio_max": jnp.max(jnp.where(m > 0, ratio, -jnp.inf)),
+        "ratio_max": Maxed(jnp.max(jnp.where(m > 0, ratio, -jnp.inf))),
         "weight_zero_frac": masked_mean((w == 0).astype(jnp.float32)),
     }
     return loss, jax.lax.stop_gradient(metrics)
@@ -120,9 +154,10 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
         v_clipped = v_old + jnp.clip(v - v_old, -clip, clip)
         clipped_sq = (v_clipped - R) ** 2
         per_token = 0.5 * jnp.maximum(unclipped, clipped_sq)
-        clipped_frac = jnp.sum((clipped_sq > unclipped) * m) / jnp.maximum(jnp.sum(m), 1.0)
+        clipped_frac = jnp.sum((clipped_sq > unclipped) & (m > 0)) / jnp.maximum(jnp.sum(m), 1.0)
     loss, total, count = aggregate(per_token, m, "token-mean", normalizer)
-    return loss, jax.lax.stop_gradient({"loss_sum": total, "token_count": count, "value_clip_frac": clipped_frac})
+    return loss, jax.lax.stop_gradient({"loss_sum": Summed(total), "token_count": Summed(count),
+                                        "value_clip_frac": clipped_frac})
 
 
 KLKind = Literal["k1", "k2", "k3", "low-var"]

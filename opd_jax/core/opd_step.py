@@ -13,11 +13,13 @@ Losses (`OPDConfig.loss`):
   minimised directly (teachers must be local: the step needs the teacher's whole distribution).
 - "top_k": the same on the teacher's top-k tokens, both distributions renormalised there.
 For "full" and "top_k" each position's KL is multiplied by the same mismatch weight, and
-α > 0 adds α × the clipped surrogate of Â^ORM. entropy_coef > 0 subtracts coef · the student's
-mean entropy on the response tokens from the loss.
+α > 0 adds α × the clipped surrogate of Â^ORM. surrogate.entropy_coef > 0 subtracts coef · the
+student's mean entropy on the response tokens from the loss.
 
-`epochs` × `minibatches` updates, gradients summed over `microbatches`, updates with non-finite
-gradients skipped, exactly as in `ppo_step` (shared machinery in `opd_jax.core.update`).
+`update.epochs` × `update.minibatches` updates, gradients summed over `update.microbatches`,
+updates with non-finite gradients skipped, exactly as in `ppo_step` (shared machinery in
+`opd_jax.core.update`). group_size, num_teachers and temperature are facts of the run, passed by
+the caller, not knobs.
 """
 
 from __future__ import annotations
@@ -34,18 +36,20 @@ from flax import nnx
 from opd_jax.core.advantages import group_advantages
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.losses import Aggregation, aggregate, check_surrogate, loss_denominator, policy_loss
-from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
+from opd_jax.core.forward import policy_logprobs, sequence_logits
+from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
+from opd_jax.core.metrics import prefixed
+from opd_jax.core.mismatch import mismatch_weights
 from opd_jax.core.opd import full_reverse_kl, reverse_kl_advantage, top_k_reverse_kl
-from opd_jax.core.ppo import policy_logprobs, sequence_logits
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import (
+    UpdateConfig,
     accumulate_grads,
     apply_update,
-    check_batch_split,
+    batch_statistics,
     map_rows,
-    scan_or_call,
-    split_rows,
+    run_updates,
+    summed_loss,
 )
 
 DistillLoss = Literal["sampled", "full", "top_k"]
@@ -54,45 +58,37 @@ DISTILL_LOSSES: tuple[str, ...] = DistillLoss.__args__  # type: ignore[attr-defi
 
 @dataclasses.dataclass(frozen=True)
 class OPDConfig:
-    """Every knob of the OPD step. `group_size` (samples per prompt, for the reward advantage) and
-    `num_teachers` (for the per-teacher metrics) are set by the caller from the run; `temperature`
-    is the student engine's sampling temperature (student and teachers are scored at it)."""
+    """Every knob of the OPD step: the distillation loss, the teacher's top-k for loss "top_k",
+    MOPD's reward weight α (its group baseline optionally divided by the std), and the same
+    `surrogate` and `update` sections as the PPO step (reverse KL is mode-seeking, and a student
+    that turns confident where it is wrong gets almost no gradient from it: surrogate.entropy_coef
+    counters that, see BENCHMARKS.md)."""
+
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
     loss: DistillLoss = "sampled"
+    """sampled: the sampled-token reverse KL as advantage (GLM-5); full / top_k: reverse KL on the vocabulary / top-k."""
     top_k: int = 32
+    """Teacher tokens per position for loss top_k."""
     reward_alpha: float = 0.0
-    # + coef · entropy of the student: reverse KL is mode-seeking, and a student that turns
-    # confident where it is wrong gets almost no gradient from it (see BENCHMARKS.md)
-    entropy_coef: float = 0.0
+    """MOPD: add reward_alpha × the task reward's group-baseline advantage (0: off)."""
     grpo_normalize_std: bool = True
-    group_size: int = 1
-    num_teachers: int = 1
-    temperature: float = 1.0
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = None
-    loss_agg: Aggregation = "token-mean"
-    mismatch: MismatchCorrection = MismatchCorrection()
-    epochs: int = 1
-    minibatches: int = 1
-    microbatches: int = 1
-    layer_unroll: int | bool = True
+    """Divide the reward advantage by the group's std."""
+    surrogate: SurrogateConfig = SurrogateConfig()
+    """The clipped, mismatch-weighted policy loss (shared with PPO)."""
+    update: UpdateConfig = UpdateConfig()
+    """Epochs, mini-batches and micro-batches of each step (shared with PPO)."""
 
     def __post_init__(self):
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"unknown OPD loss {self.loss!r}; use one of {', '.join(DISTILL_LOSSES)}")
-        for name in ("top_k", "group_size", "num_teachers", "epochs", "minibatches", "microbatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.reward_alpha < 0 or self.entropy_coef < 0:
-            raise ValueError(f"reward_alpha and entropy_coef must be >= 0, got {self.reward_alpha}, {self.entropy_coef}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (greedy rollouts score at 1.0), got {self.temperature}")
-        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg)
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.reward_alpha < 0:
+            raise ValueError(f"reward_alpha must be >= 0, got {self.reward_alpha}")
 
-    def check_batch_size(self, batch_size: int) -> None:
-        check_batch_split(batch_size, self.minibatches, self.microbatches,
-                          self.group_size if self.reward_alpha > 0 else None)
+    def check_batch_size(self, batch_size: int, group_size: int = 1) -> None:
+        self.update.check_batch_size(batch_size, group_size if self.reward_alpha > 0 else None)
 
 
 @flax.struct.dataclass
@@ -149,14 +145,14 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
 # --- the step -------------------------------------------------------------------------------
 
 @flax.struct.dataclass
-class _Targets:
+class _OPDTargets:
     batch: DistillBatch
     mask: jax.Array
     weights: jax.Array
     advantages: jax.Array  # "sampled": distillation + α·reward advantage; else α·reward advantage
 
 
-def _check(batch: DistillBatch, config: OPDConfig) -> None:
+def _check(batch: DistillBatch, config: OPDConfig, group_size: int) -> None:
     rollout = batch.rollout
     if rollout.logp_old is None:
         raise ValueError("opd_step needs batch.rollout.logp_old: score the student with policy_logprobs first")
@@ -170,90 +166,92 @@ def _check(batch: DistillBatch, config: OPDConfig) -> None:
         chex.assert_equal_shape_prefix([rollout.tokens, batch.teacher_logprobs], 2)
     if config.loss == "top_k" and batch.teacher_ids is None:
         raise ValueError("loss 'top_k' needs batch.teacher_ids")
-    config.check_batch_size(rollout.tokens.shape[0])
+    config.check_batch_size(rollout.tokens.shape[0], group_size)
 
 
-def _targets(batch: DistillBatch, config: OPDConfig) -> tuple[_Targets, dict[str, jax.Array]]:
+def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teachers: int
+             ) -> tuple[_OPDTargets, dict[str, jax.Array]]:
     rollout = batch.rollout
     m = rollout.response_mask.astype(jnp.float32)
-    weights = mismatch_weights(rollout.logp_old, rollout.logp_infer, m, config.mismatch)
+    correction = config.surrogate.mismatch
+    weights = mismatch_weights(rollout.logp_old, rollout.logp_infer, m, correction)
     distill = reverse_kl_advantage(batch.logp_teacher, rollout.logp_old, m)  # −(sampled reverse KL) per token
     reward = jnp.zeros_like(m)
     if config.reward_alpha > 0:
-        reward = group_advantages(rollout.rewards, config.group_size, config.grpo_normalize_std)[:, None] * m
+        group = group_advantages(rollout.rewards, group_size, config.grpo_normalize_std)
+        reward = jnp.where(m > 0, group[:, None], 0.0)
     advantages = config.reward_alpha * reward + (distill if config.loss == "sampled" else 0.0)
     n = jnp.maximum(jnp.sum(m), 1.0)
     row_tokens = jnp.sum(m, axis=1)
     # per-teacher mean of the sampled reverse KL, log π_old − log π_teacher, over its rows' tokens
-    onehot = jax.nn.one_hot(batch.teacher_index, config.num_teachers, dtype=jnp.float32)  # [B, K]
+    onehot = jax.nn.one_hot(batch.teacher_index, num_teachers, dtype=jnp.float32)  # [B, K]
     per_teacher_kl = (onehot.T @ -jnp.sum(distill, axis=1)) / jnp.maximum(onehot.T @ row_tokens, 1.0)
     token_inputs = [rollout.logp_infer, rollout.logp_old, batch.logp_teacher]
     stats = {
-        "nonfinite_inputs": jnp.sum(~jnp.isfinite(rollout.rewards)).astype(jnp.float32)
-        + sum(jnp.sum((m > 0) & ~jnp.isfinite(x)) for x in token_inputs).astype(jnp.float32),
-        "reward_mean": jnp.mean(rollout.rewards.astype(jnp.float32)),
-        "response_length_mean": jnp.mean(row_tokens),
+        **batch_statistics(rollout.rewards, m, rollout.logp_old, rollout.logp_infer, token_inputs, correction),
         "opd/reverse_kl": -jnp.sum(distill) / n,
-        **{f"opd/reverse_kl/teacher{k}": per_teacher_kl[k] for k in range(config.num_teachers)},
-        **mismatch_metrics(rollout.logp_old, rollout.logp_infer, m),
+        **{f"opd/reverse_kl/teacher{k}": per_teacher_kl[k] for k in range(num_teachers)},
     }
-    return _Targets(batch=batch, mask=m, weights=weights, advantages=advantages), stats
+    return _OPDTargets(batch=batch, mask=m, weights=weights, advantages=advantages), stats
 
 
-def _update(state: PolicyState, params: nnx.State, opt_state, targets: _Targets, config: OPDConfig):
-    normalizer = loss_denominator(targets.mask, config.loss_agg)
-    surrogate = config.loss == "sampled" or config.reward_alpha > 0
+def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTargets, config: OPDConfig,
+            temperature: float):
+    s = config.surrogate
+    normalizer = loss_denominator(targets.mask, s.loss_agg)
+    use_surrogate = config.loss == "sampled" or config.reward_alpha > 0
 
-    def loss_fn(p, t: _Targets):
+    def loss_fn(p, t: _OPDTargets):
         rollout = t.batch.rollout
-        logits = sequence_logits(state.graphdef, p, rollout, unroll=config.layer_unroll, temperature=config.temperature)
+        logits = sequence_logits(state.graphdef, p, rollout, unroll=config.update.layer_unroll, temperature=temperature)
         logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}
-        if surrogate:
-            loss, metrics = policy_loss(logp, rollout.logp_old, t.advantages, t.mask, eps_low=config.eps_low,
-                                        eps_high=config.eps_high, dual_clip=config.dual_clip, weights=t.weights,
-                                        agg=config.loss_agg, normalizer=normalizer)
+        if use_surrogate:
+            loss, metrics = policy_loss(logp, rollout.logp_old, t.advantages, t.mask, eps_low=s.eps_low,
+                                        eps_high=s.eps_high, dual_clip=s.dual_clip, weights=t.weights,
+                                        agg=s.loss_agg, normalizer=normalizer)
         if config.loss != "sampled":
             student = shift_right(logits)
             if config.loss == "full":
                 kl = full_reverse_kl(student, t.batch.teacher_logprobs)
             else:
                 kl = top_k_reverse_kl(student, t.batch.teacher_logprobs, t.batch.teacher_ids)
-            distill, _, _ = aggregate(t.weights * kl, t.mask, config.loss_agg, normalizer)
-            metrics = {**metrics, "distill_loss": jax.lax.stop_gradient(distill)}
-            if surrogate:
-                metrics["reward_loss"] = jax.lax.stop_gradient(loss)
+            distill, _, _ = aggregate(t.weights * kl, t.mask, s.loss_agg, normalizer)
+            metrics = {**metrics, "distill_loss": summed_loss(distill)}
+            if use_surrogate:
+                metrics["reward_loss"] = summed_loss(loss)
             loss = loss + distill
-        entropy_mean, _, _ = aggregate(entropy, t.mask, config.loss_agg, normalizer)
-        metrics = {**metrics, "loss": jax.lax.stop_gradient(loss), "entropy": jax.lax.stop_gradient(entropy_mean)}
-        if config.entropy_coef > 0:
-            loss = loss - config.entropy_coef * entropy_mean
+        entropy_mean, _, _ = aggregate(entropy, t.mask, s.loss_agg, normalizer)
+        metrics = {**metrics, "loss": summed_loss(loss), "entropy": summed_loss(entropy_mean)}
+        if s.entropy_coef > 0:
+            loss = loss - s.entropy_coef * entropy_mean
         return loss, metrics
 
-    grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
     params, opt_state, apply_metrics = apply_update(state.tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
 
-def opd_step(state: PolicyState, batch: DistillBatch, *, config: OPDConfig) -> tuple[PolicyState, dict[str, jax.Array]]:
-    """One OPD iteration on a scored batch (see the module docstring). Metrics are averaged over
-    the epochs × mini-batches updates (maxima kept): "student/*" from the updates, and batch
-    statistics: the sampled reverse KL to the teachers ("opd/reverse_kl", and per teacher
-    "opd/reverse_kl/teacher<k>"), reward, length, mismatch."""
-    _check(batch, config)
-    targets, stats = _targets(batch, config)
-    minibatches = jax.tree.map(lambda x: split_rows(x, config.minibatches), targets)
+def opd_step(state: PolicyState, batch: DistillBatch, *, config: OPDConfig, group_size: int = 1,
+             num_teachers: int = 1, temperature: float = 1.0) -> tuple[PolicyState, dict[str, jax.Array]]:
+    """One OPD iteration on a scored batch (see the module docstring). group_size: samples per
+    prompt (the reward advantage's groups); num_teachers: how many teachers teacher_index ranges
+    over; temperature: the engine's sampling temperature (student and teachers scored at it).
+    Metrics are combined over the epochs × mini-batches updates (maxima kept): "student/*" from the
+    updates, and batch statistics: the sampled reverse KL to the teachers ("opd/reverse_kl", and
+    per teacher "opd/reverse_kl/teacher<k>"), reward, length, mismatch."""
+    if group_size < 1 or num_teachers < 1 or temperature <= 0:
+        raise ValueError(f"opd_step needs group_size >= 1, num_teachers >= 1 and temperature > 0, got "
+                         f"{group_size}, {num_teachers}, {temperature}")
+    _check(batch, config, group_size)
+    targets, stats = _targets(batch, config, group_size, num_teachers)
 
-    def update(carry, mb: _Targets):
+    def update(carry, mb: _OPDTargets):
         params, opt_state = carry
-        params, opt_state, metrics = _update(state, params, opt_state, mb, config)
-        return (params, opt_state), {f"student/{k}": v for k, v in metrics.items()}
+        params, opt_state, metrics = _update(state, params, opt_state, mb, config, temperature)
+        return (params, opt_state), prefixed("student/", metrics)
 
-    def epoch(carry, _):
-        return scan_or_call(update, carry, minibatches, config.minibatches)
-
-    (params, opt_state), per_update = scan_or_call(epoch, (state.params, state.opt), None, config.epochs)
-    metrics = {name: jnp.max(v) if name.endswith("_max") else jnp.mean(v) for name, v in per_update.items()}
+    (params, opt_state), metrics = run_updates(update, (state.params, state.opt), targets, config.update)
     metrics.update(stats)
     return state.replace(step=state.step + 1, params=params, opt=opt_state), metrics

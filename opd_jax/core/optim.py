@@ -13,16 +13,28 @@ class OptimizerConfig:
     """AdamW with an optional linear warm-up and cosine decay, after clipping the gradient's
     global norm to `max_grad_norm` (None: no clipping)."""
 
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
+
     learning_rate: float = 1e-6
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     b1: float = 0.9
+    """Adam β1."""
     b2: float = 0.999
+    """Adam β2."""
     eps: float = 1e-8
+    """Adam ε."""
     max_grad_norm: float | None = 1.0
+    """Clip the gradient's global norm to this; unset: no clipping."""
     warmup_steps: int = 0
+    """Linear warm-up from 0 over this many updates."""
     schedule: Literal["constant", "cosine"] = "constant"
+    """constant (after warm-up) or cosine decay to final_lr_fraction × learning_rate."""
     decay_steps: int = 0
+    """Length of the cosine schedule in updates (warm-up included)."""
     final_lr_fraction: float = 0.0
+    """Where the cosine schedule ends, as a fraction of learning_rate."""
 
     def __post_init__(self):
         if self.learning_rate < 0 or self.weight_decay < 0:

@@ -8,13 +8,15 @@ GAE advantages with λ_policy and critic returns with λ_critic from the θ_old 
 weights (IcePop by default) from θ_old vs engine log-probs, then `epochs` passes over
 `minibatches` mini-batches, each one optimizer update of the policy (clipped surrogate) and of
 the critic (clipped value loss), with gradients summed over `microbatches` micro-batches so the
-update equals the mini-batch's exactly. Mini-batch j holds rows j, j+M, j+2M, ... (micro-batches
-likewise; see `opd_jax.core.update`). An update whose gradients are not finite is skipped
+update equals the mini-batch's exactly (`config.update`; mini-batch j holds rows j, j+M, j+2M,
+..., see `opd_jax.core.update`). An update whose gradients are not finite is skipped
 (params and optimizer state kept) and counted in the metrics. During the first
 `value_warmup_steps` steps only the critic trains (VAPO's value pretraining).
 
-Nothing here jits or shards: the caller jits `functools.partial(ppo_step, config=...)` with the
-shardings from `opd_jax.parallel` and donates the state.
+Nothing here jits or shards: the caller jits `functools.partial(ppo_step, config=...,
+group_size=..., temperature=...)` with the shardings from `opd_jax.parallel` and donates the
+state. group_size (samples per prompt) and temperature (the engine's sampling temperature) are
+facts of the run, not knobs: the caller passes them.
 """
 
 from __future__ import annotations
@@ -30,19 +32,27 @@ from flax import nnx
 
 from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.forward import sequence_logprobs, sequence_values
 from opd_jax.core.losses import (
-    Aggregation,
     KLKind,
+    SurrogateConfig,
     aggregate,
-    check_surrogate,
     kl_estimate,
     loss_denominator,
     policy_loss,
     value_loss,
 )
-from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
-from opd_jax.core.update import accumulate_grads, apply_update, check_batch_split, map_rows, scan_or_call, split_rows
+from opd_jax.core.metrics import prefixed
+from opd_jax.core.mismatch import mismatch_weights
+from opd_jax.core.update import (
+    UpdateConfig,
+    accumulate_grads,
+    apply_update,
+    batch_statistics,
+    map_rows,
+    run_updates,
+    summed_loss,
+)
 from opd_jax.models import Decoder, ValueModel
 
 
@@ -52,9 +62,14 @@ class KLConfig:
     coef·KL(π_θ ‖ π_ref) to the policy loss; "reward" subtracts coef·KL(π_old ‖ π_ref) from each
     token's reward before GAE."""
 
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
+
     coef: float = 0.0
+    """Weight of the KL to a frozen reference; 0 (the default, as GLM-5.2): off."""
     kind: KLKind = "low-var"
+    """Estimator: k1, k2, k3 or low-var (k3 clamped, as verl)."""
     where: Literal["loss", "reward"] = "loss"
+    """loss: add coef·KL to the policy loss; reward: subtract it from each token's reward."""
 
     def __post_init__(self):
         if self.coef < 0:
@@ -72,55 +87,50 @@ class KLConfig:
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
     """Every knob of the step. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α = adaptive_alpha.
-    advantage = "grpo" replaces GAE by the group baseline over consecutive groups of `group_size`
-    samples (same advantage on every token of a sample) and leaves the critic untouched."""
+    advantage = "grpo" replaces GAE by the group baseline over consecutive groups of the run's
+    samples per prompt (same advantage on every token of a sample) and leaves the critic
+    untouched. `surrogate`: the clipped, mismatch-weighted policy loss; `update`: epochs,
+    mini-batches, micro-batches (both shared with the OPD step)."""
+
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
     advantage: Literal["gae", "grpo"] = "gae"
-    group_size: int = 1
-    # the engine's sampling temperature: log-probs are of log_softmax(logits / T), as the engine
-    # reports them, so the ratios compare like with like (T = 0, greedy, scores at T = 1)
-    temperature: float = 1.0
+    """gae: per-token GAE from the critic (GLM-5.2); grpo: the group baseline, critic untouched."""
     grpo_normalize_std: bool = True
+    """GRPO: divide by the group's reward std (false: Dr.GRPO)."""
     gamma: float = 1.0
+    """Discount γ of GAE (LLM practice: 1)."""
     lam_policy: float | Literal["adaptive"] = 0.95
+    """GAE λ for the policy's advantages, or adaptive: VAPO's 1 − 1/(α·length)."""
     lam_critic: float = 1.0
+    """GAE λ for the critic's returns."""
     adaptive_alpha: float = 0.05
+    """α of the length-adaptive λ."""
     whiten_advantages: bool = False
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = None
+    """Normalise advantages to mean 0, std 1 over the batch's response tokens."""
     value_clip: float | None = 0.2
-    loss_agg: Aggregation = "token-mean"
-    mismatch: MismatchCorrection = MismatchCorrection()
+    """Clip the critic's value to V_old ± value_clip in its loss; unset: no clipping."""
+    surrogate: SurrogateConfig = SurrogateConfig()
+    """The clipped, mismatch-weighted policy loss (shared with OPD)."""
     kl: KLConfig = KLConfig()
-    entropy_coef: float = 0.0
-    epochs: int = 1
-    minibatches: int = 1
-    microbatches: int = 1
+    """KL to a frozen reference (off by default)."""
+    update: UpdateConfig = UpdateConfig()
+    """Epochs, mini-batches and micro-batches of each step (shared with OPD)."""
     value_warmup_steps: int = 0
-    # Layers per scan iteration in the training forward/backward (True: all of them). Unrolled
-    # compiles slower and trains faster: 8.7 s vs 10.4 s per step on the 21M benchmark, CPU.
-    layer_unroll: int | bool = True
+    """Steps at the start that train only the critic (VAPO's value pretraining)."""
 
     def __post_init__(self):
         if self.advantage not in ("gae", "grpo"):
             raise ValueError(f"advantage must be 'gae' or 'grpo', got {self.advantage!r}")
-        for name in ("epochs", "minibatches", "microbatches", "group_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (greedy rollouts score at 1.0), got {self.temperature}")
         if self.value_warmup_steps < 0:
             raise ValueError(f"value_warmup_steps must be >= 0, got {self.value_warmup_steps}")
         if self.lam_policy != "adaptive" and not 0 <= self.lam_policy <= 1:
             raise ValueError(f"lam_policy must be in [0, 1] or 'adaptive', got {self.lam_policy!r}")
         if not (0 <= self.lam_critic <= 1 and 0 <= self.gamma <= 1):
             raise ValueError("gamma and lam_critic must be in [0, 1]")
-        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg)
 
-    def check_batch_size(self, batch_size: int) -> None:
-        check_batch_split(batch_size, self.minibatches, self.microbatches,
-                          self.group_size if self.advantage == "grpo" else None)
+    def check_batch_size(self, batch_size: int, group_size: int = 1) -> None:
+        self.update.check_batch_size(batch_size, group_size if self.advantage == "grpo" else None)
 
 
 @flax.struct.dataclass
@@ -154,32 +164,7 @@ class PPOState:
         return nnx.merge(self.critic_def, self.critic)
 
 
-# --- forward passes -------------------------------------------------------------------------
-
-def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
-                    temperature: float = 1.0) -> jax.Array:
-    """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V]."""
-    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask, unroll=unroll)
-    return logits / temperature if temperature != 1.0 else logits
-
-
-def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                      with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0
-                      ) -> tuple[jax.Array, jax.Array | None]:
-    """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
-    of the distribution softmax(logits / temperature)."""
-    logits = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature)
-    return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
-
-
-def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                    unroll: int | bool = 1) -> jax.Array:
-    """V(tokens[:t]) at each position t: the critic's output on the prefix before token t."""
-    values = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask, unroll=unroll)
-    return shift_right(values)
-
+# --- the scoring pass --------------------------------------------------------------------
 
 def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
                 temperature: float = 1.0) -> RolloutBatch:
@@ -190,24 +175,14 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
         return logp, sequence_values(state.critic_def, state.critic, b)
 
     logp_old, old_values = map_rows(score, batch, microbatches)
-    m = batch.response_mask.astype(jnp.float32)
-    return batch.replace(logp_old=logp_old * m, old_values=old_values * m)
-
-
-def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
-                    microbatches: int = 1) -> jax.Array:
-    """Per-token log-probs under fixed parameters, at softmax(logits / temperature), in
-    `microbatches` slices, zero off the response mask: a frozen reference for the KL term, or
-    the OPD student's θ_old."""
-    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature)[0], batch,
-                    microbatches)
-    return logp * batch.response_mask.astype(jnp.float32)
+    on = batch.response_mask > 0
+    return batch.replace(logp_old=jnp.where(on, logp_old, 0.0), old_values=jnp.where(on, old_values, 0.0))
 
 
 # --- the step -------------------------------------------------------------------------------
 
 @flax.struct.dataclass
-class _Targets:
+class _PPOTargets:
     """What one optimizer update trains on, per token [rows, T] (see ppo_step)."""
 
     batch: RolloutBatch
@@ -217,119 +192,116 @@ class _Targets:
     weights: jax.Array
 
 
-def _policy_update(state: PPOState, params, opt_state, targets: _Targets, config: PPOConfig):
-    normalizer = loss_denominator(targets.mask, config.loss_agg)
-    use_entropy = config.entropy_coef > 0
+def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, config: PPOConfig, temperature: float):
+    surrogate = config.surrogate
+    normalizer = loss_denominator(targets.mask, surrogate.loss_agg)
     use_kl_loss = config.kl.enabled and config.kl.where == "loss"
 
-    def loss_fn(p, t: _Targets):
+    def loss_fn(p, t: _PPOTargets):
         logp, entropy = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
-                                          unroll=config.layer_unroll, temperature=config.temperature)
-        loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=config.eps_low,
-                                    eps_high=config.eps_high, dual_clip=config.dual_clip, weights=t.weights,
-                                    agg=config.loss_agg, normalizer=normalizer)
-        entropy_mean, _, _ = aggregate(entropy, t.mask, config.loss_agg, normalizer)
-        metrics = {**metrics, "loss": jax.lax.stop_gradient(loss), "entropy": jax.lax.stop_gradient(entropy_mean)}
-        if use_entropy:
-            loss = loss - config.entropy_coef * entropy_mean
+                                          unroll=config.update.layer_unroll, temperature=temperature)
+        loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
+                                    eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=t.weights,
+                                    agg=surrogate.loss_agg, normalizer=normalizer)
+        entropy_mean, _, _ = aggregate(entropy, t.mask, surrogate.loss_agg, normalizer)
+        metrics = {**metrics, "loss": summed_loss(loss), "entropy": summed_loss(entropy_mean)}
+        if surrogate.entropy_coef > 0:
+            loss = loss - surrogate.entropy_coef * entropy_mean
         if use_kl_loss:
-            kl, _, _ = aggregate(kl_estimate(logp, t.batch.logp_ref, config.kl.kind), t.mask, config.loss_agg,
+            kl, _, _ = aggregate(kl_estimate(logp, t.batch.logp_ref, config.kl.kind), t.mask, surrogate.loss_agg,
                                  normalizer)
             loss = loss + config.kl.coef * kl
-            metrics["kl_loss"] = jax.lax.stop_gradient(kl)
-        metrics["total_loss"] = jax.lax.stop_gradient(loss)
+            metrics["kl_loss"] = summed_loss(kl)
+        metrics["total_loss"] = summed_loss(loss)
         return loss, metrics
 
-    grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
     params, opt_state, apply_metrics = apply_update(state.policy_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
 
-def _critic_update(state: PPOState, params, opt_state, targets: _Targets, config: PPOConfig):
+def _critic_update(state: PPOState, params, opt_state, targets: _PPOTargets, config: PPOConfig):
     normalizer = jnp.sum(targets.mask)
 
-    def loss_fn(p, t: _Targets):
-        values = sequence_values(state.critic_def, p, t.batch, unroll=config.layer_unroll)
+    def loss_fn(p, t: _PPOTargets):
+        values = sequence_values(state.critic_def, p, t.batch, unroll=config.update.layer_unroll)
         loss, metrics = value_loss(values, t.batch.old_values, t.returns, t.mask, clip=config.value_clip,
                                    normalizer=normalizer)
-        return loss, {**metrics, "loss": jax.lax.stop_gradient(loss)}
+        return loss, {**metrics, "loss": summed_loss(loss)}
 
-    grads, metrics = accumulate_grads(loss_fn, params, targets, config.microbatches, lambda t: t.mask)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
     params, opt_state, apply_metrics = apply_update(state.critic_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
 
-def _targets(batch: RolloutBatch, config: PPOConfig) -> tuple[_Targets, dict[str, jax.Array]]:
+def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_PPOTargets, dict[str, jax.Array]]:
     m = batch.response_mask.astype(jnp.float32)
     token_rewards = outcome_rewards(batch.rewards, m)
     stats = {}
     if config.kl.enabled and config.kl.where == "reward":
-        kl = kl_estimate(batch.logp_old, batch.logp_ref, config.kl.kind) * m
+        kl = jnp.where(m > 0, kl_estimate(batch.logp_old, batch.logp_ref, config.kl.kind), 0.0)
         token_rewards = token_rewards - config.kl.coef * kl
         stats["kl_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(m), 1.0)
     lam_policy = length_adaptive_lambda(m, config.adaptive_alpha) if config.lam_policy == "adaptive" \
         else config.lam_policy
     if config.advantage == "grpo":
-        group = group_advantages(batch.rewards, config.group_size, normalize_std=config.grpo_normalize_std)
-        advantages = group[:, None] * m
+        group = group_advantages(batch.rewards, group_size, normalize_std=config.grpo_normalize_std)
+        advantages = jnp.where(m > 0, group[:, None], 0.0)
     else:
         advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy)
     _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic)
     if config.whiten_advantages:
         advantages = whiten(advantages, m)
-    weights = mismatch_weights(batch.logp_old, batch.logp_infer, m, config.mismatch)
+    correction = config.surrogate.mismatch
+    weights = mismatch_weights(batch.logp_old, batch.logp_infer, m, correction)
     n = jnp.maximum(jnp.sum(m), 1.0)
-    masked_mean = lambda x: jnp.sum(x * m) / n  # noqa: E731
+    masked_mean = lambda x: jnp.sum(jnp.where(m > 0, x, 0.0)) / n  # noqa: E731
     residual_var = masked_mean(jnp.square(returns - batch.old_values - masked_mean(returns - batch.old_values)))
     returns_var = masked_mean(jnp.square(returns - masked_mean(returns)))
     token_inputs = [x for x in (batch.logp_infer, batch.logp_old, batch.old_values, batch.logp_ref) if x is not None]
     stats.update({
-        # validate_batch refuses these on the host; this count catches what slips past it
-        "nonfinite_inputs": jnp.sum(~jnp.isfinite(batch.rewards)).astype(jnp.float32)
-        + sum(jnp.sum((m > 0) & ~jnp.isfinite(x)) for x in token_inputs).astype(jnp.float32),
-        "reward_mean": jnp.mean(batch.rewards.astype(jnp.float32)),
-        "response_length_mean": jnp.mean(jnp.sum(m, axis=1)),
+        **batch_statistics(batch.rewards, m, batch.logp_old, batch.logp_infer, token_inputs, correction),
         "advantage_mean": masked_mean(advantages),
         "advantage_std": jnp.sqrt(masked_mean(jnp.square(advantages - masked_mean(advantages)))),
         "return_mean": masked_mean(returns),
         "value_mean": masked_mean(batch.old_values),
         "value_explained_variance": 1.0 - residual_var / jnp.maximum(returns_var, 1e-8),
-        **mismatch_metrics(batch.logp_old, batch.logp_infer, m),
     })
-    return _Targets(batch=batch, mask=m, advantages=advantages, returns=returns, weights=weights), stats
+    return _PPOTargets(batch=batch, mask=m, advantages=advantages, returns=returns, weights=weights), stats
 
 
-def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig) -> tuple[PPOState, dict[str, jax.Array]]:
-    """One PPO iteration on a scored batch (see the module docstring). Metrics are averaged over
-    the epochs x mini-batches updates (maxima kept): "policy/*", "critic/*", and batch stats."""
+def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_size: int = 1,
+             temperature: float = 1.0) -> tuple[PPOState, dict[str, jax.Array]]:
+    """One PPO iteration on a scored batch (see the module docstring). group_size: samples per
+    prompt (consecutive rows; GRPO's groups); temperature: the engine's sampling temperature, at
+    which the policy's log-probs are taken (score_batch must use the same). Metrics are combined
+    over the epochs x mini-batches updates (maxima kept): "policy/*", "critic/*", and batch stats."""
     if batch.logp_old is None or batch.old_values is None:
         raise ValueError("ppo_step needs batch.logp_old and batch.old_values: run score_batch first")
     if config.kl.enabled and batch.logp_ref is None:
         raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: run policy_logprobs "
                          "with the reference's parameters")
-    config.check_batch_size(batch.tokens.shape[0])
-    targets, stats = _targets(batch, config)
-    minibatches = jax.tree.map(lambda x: split_rows(x, config.minibatches), targets)
+    if group_size < 1 or temperature <= 0:
+        raise ValueError(f"ppo_step needs group_size >= 1 and temperature > 0 (greedy rollouts score at 1.0), "
+                         f"got {group_size}, {temperature}")
+    config.check_batch_size(batch.tokens.shape[0], group_size)
+    targets, stats = _targets(batch, config, group_size)
     train_policy = state.step >= config.value_warmup_steps
 
-    def update(carry, mb: _Targets):
+    def update(carry, mb: _PPOTargets):
         policy, policy_opt, critic, critic_opt = carry
-        policy_branch = lambda: _policy_update(state, policy, policy_opt, mb, config)  # noqa: E731
+        policy_branch = lambda: _policy_update(state, policy, policy_opt, mb, config, temperature)  # noqa: E731
         skipped = jax.tree.map(jnp.zeros_like, jax.eval_shape(policy_branch)[2])
         policy, policy_opt, policy_metrics = jax.lax.cond(
             train_policy, policy_branch, lambda: (policy, policy_opt, skipped))
-        metrics = {f"policy/{k}": v for k, v in policy_metrics.items()}
+        metrics = prefixed("policy/", policy_metrics)
         if config.advantage == "gae":  # GRPO has no critic to train
             critic, critic_opt, critic_metrics = _critic_update(state, critic, critic_opt, mb, config)
-            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+            metrics.update(prefixed("critic/", critic_metrics))
         return (policy, policy_opt, critic, critic_opt), metrics
 
-    def epoch(carry, _):
-        return scan_or_call(update, carry, minibatches, config.minibatches)
-
     carry = (state.policy, state.policy_opt, state.critic, state.critic_opt)
-    (policy, policy_opt, critic, critic_opt), per_update = scan_or_call(epoch, carry, None, config.epochs)
-    metrics = {name: jnp.max(v) if name.endswith("_max") else jnp.mean(v) for name, v in per_update.items()}
+    (policy, policy_opt, critic, critic_opt), metrics = run_updates(update, carry, targets, config.update)
     metrics.update(stats)
     metrics["policy/trained"] = train_policy.astype(jnp.float32)
     new_state = state.replace(step=state.step + 1, policy=policy, policy_opt=policy_opt, critic=critic,

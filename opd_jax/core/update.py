@@ -1,6 +1,7 @@
-"""The update machinery every training step shares (PPO, OPD): strided row slices, micro-batch
-gradient accumulation that reduces exactly as one big batch would, and an optimizer update that
-is skipped when a gradient is not finite. Pure.
+"""The update machinery every training step shares (PPO, OPD, SFT): the epochs × mini-batches
+driver (`run_updates`), strided row slices, micro-batch gradient accumulation that reduces exactly
+as one big batch would, an optimizer update that is skipped when a gradient is not finite, and
+the batch statistics every step reports. Pure.
 
 Slice j of n holds rows j, j+n, j+2n, ..., so a batch sharded over rows stays evenly spread over
 the devices in every slice; shuffle rows before a step if you want random mini-batches.
@@ -8,12 +9,44 @@ the devices in every slice; shuffle rows before a step if you want random mini-b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from opd_jax.core.metrics import Metrics, Summed, combine_microbatches, combine_updates
+from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """How a step turns one batch into optimizer updates: `epochs` passes over `minibatches`
+    strided mini-batches, each one update with its gradient summed over `microbatches` slices
+    (the same update as one big slice, in less memory). `layer_unroll`: layers per scan
+    iteration in the training forward/backward (True: all of them; unrolled compiles slower and
+    trains faster: 8.7 s vs 10.4 s per step on the 21M benchmark, CPU)."""
+
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
+
+    epochs: int = 1
+    """Passes over the batch per step."""
+    minibatches: int = 1
+    """Optimizer updates per pass, each on a strided slice of the rows."""
+    microbatches: int = 1
+    """Slices each mini-batch's gradient is accumulated over (same update, less memory)."""
+    layer_unroll: int | bool = True
+    """Layers per scan iteration in training (true: all; faster steps, slower compile)."""
+
+    def __post_init__(self):
+        for name in ("epochs", "minibatches", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_batch_size(self, batch_size: int, group_size: int | None = None) -> None:
+        check_batch_split(batch_size, self.minibatches, self.microbatches, group_size)
 
 
 def check_batch_split(batch_size: int, minibatches: int, microbatches: int, group_size: int | None = None) -> None:
@@ -31,7 +64,7 @@ def split_rows(x: jax.Array, n: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
-def merge_rows(x: jax.Array) -> jax.Array:
+def join_rows(x: jax.Array) -> jax.Array:
     """Inverse of split_rows: [n, B/n, ...] -> [B, ...]."""
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
@@ -41,7 +74,7 @@ def map_rows(fn: Callable[[Any], Any], tree: Any, n: int) -> Any:
     if n == 1:
         return fn(tree)
     out = jax.lax.map(fn, jax.tree.map(lambda x: split_rows(x, n), tree))
-    return jax.tree.map(merge_rows, out)
+    return jax.tree.map(join_rows, out)
 
 
 def scan_or_call(body: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any, length: int) -> tuple[Any, Any]:
@@ -52,30 +85,11 @@ def scan_or_call(body: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: An
     return carry, jax.tree.map(lambda y: y[None], out)
 
 
-# Loss terms already divided by the whole mini-batch's normalizer: their micro-batch values add up.
-ADDITIVE_METRICS = ("loss", "total_loss", "entropy", "kl_loss", "loss_sum", "token_count", "distill_loss",
-                    "reward_loss")
-
-
-def weighted_metrics(per_micro: dict[str, jax.Array], counts: jax.Array) -> dict[str, jax.Array]:
-    """Combine micro-batch metrics as one batch would: sums add, maxima max, means by tokens."""
-    total = jnp.maximum(jnp.sum(counts), 1.0)
-    out = {}
-    for name, values in per_micro.items():
-        if name in ADDITIVE_METRICS:
-            out[name] = jnp.sum(values)
-        elif name.endswith("_max"):
-            out[name] = jnp.max(values)
-        else:
-            out[name] = jnp.sum(values * counts) / total
-    return out
-
-
 def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]], params: Any,
                      targets: Any, microbatches: int, mask: Callable[[Any], jax.Array]
                      ) -> tuple[Any, dict[str, jax.Array]]:
     """Σ over `microbatches` strided slices of `targets` of grad(loss_fn)(params, slice), and the
-    slices' metrics combined by `weighted_metrics` (token counts from `mask(slice)`, [rows, T]).
+    slices' metrics combined by `combine_microbatches` (token counts from `mask(slice)`, [rows, T]).
     loss_fn must already divide by the whole batch's normalizer, so the sum is the batch gradient."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if microbatches == 1:
@@ -89,7 +103,7 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, ja
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, metrics = jax.lax.scan(body, zeros, micro)
     counts = jnp.sum(mask(micro), axis=(1, 2))
-    return grads, weighted_metrics(metrics, counts)
+    return grads, combine_microbatches(metrics, counts)
 
 
 def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any
@@ -102,3 +116,38 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
     return keep(new_params, params), keep(new_opt, opt_state), {
         "grad_norm": grad_norm, "skipped_nonfinite": 1.0 - finite.astype(jnp.float32)}
+
+
+def run_updates(update: Callable[[Any, Any], tuple[Any, Metrics]], carry: Any, targets: Any, config: UpdateConfig
+                ) -> tuple[Any, Metrics]:
+    """`config.epochs` passes over `config.minibatches` strided mini-batches of `targets`, each
+    one call carry, metrics = update(carry, mini_batch); the metrics of all updates combined
+    (`combine_updates`: maxima kept, the rest averaged)."""
+    minibatches = jax.tree.map(lambda x: split_rows(x, config.minibatches), targets)
+
+    def epoch(c, _):
+        return scan_or_call(update, c, minibatches, config.minibatches)
+
+    carry, per_update = scan_or_call(epoch, carry, None, config.epochs)
+    return carry, combine_updates(per_update)
+
+
+def batch_statistics(rewards: jax.Array, mask: jax.Array, logp_old: jax.Array, logp_infer: jax.Array,
+                     token_inputs: list[jax.Array], correction: MismatchCorrection) -> dict[str, jax.Array]:
+    """What every RL step reports of its batch: the count of non-finite rewards and of non-finite
+    per-token inputs on the mask (validate_batch refuses these on the host; this catches what
+    slips past it), mean reward and response length, and the engine/trainer mismatch metrics."""
+    m = mask.astype(jnp.float32)
+    on_mask = m > 0
+    return {
+        "nonfinite_inputs": jnp.sum(~jnp.isfinite(rewards)).astype(jnp.float32)
+        + sum(jnp.sum(on_mask & ~jnp.isfinite(x)) for x in token_inputs).astype(jnp.float32),
+        "reward_mean": jnp.mean(rewards.astype(jnp.float32)),
+        "response_length_mean": jnp.mean(jnp.sum(m, axis=1)),
+        **mismatch_metrics(logp_old, logp_infer, m, correction),
+    }
+
+
+def summed_loss(loss: jax.Array) -> Summed:
+    """A loss term already divided by the whole mini-batch's normalizer, as a metric."""
+    return Summed(jax.lax.stop_gradient(loss))

@@ -1,0 +1,53 @@
+"""Forward passes of a decoder (and a critic) over a RolloutBatch, as the steps and the scoring
+passes need them: logits, per-token log-probs (and entropies), critic values. Pure; PPO, OPD and
+SFT all build on these, so none of them depends on another.
+
+All outputs line up with batch.tokens [B, T]: position t holds what the model says of tokens[t]
+given tokens[:t] (`token_logprobs`, `shift_right`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from opd_jax.core.batch import RolloutBatch
+from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.update import map_rows
+
+
+def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
+                    temperature: float = 1.0) -> jax.Array:
+    """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V]."""
+    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                         attention_mask=batch.attention_mask, unroll=unroll)
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
+                      with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0
+                      ) -> tuple[jax.Array, jax.Array | None]:
+    """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
+    of the distribution softmax(logits / temperature):
+
+        logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]"""
+    logits = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature)
+    return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
+
+
+def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
+                    unroll: int | bool = 1) -> jax.Array:
+    """V(tokens[:t]) at each position t: the critic's output on the prefix before token t."""
+    values = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                         attention_mask=batch.attention_mask, unroll=unroll)
+    return shift_right(values)
+
+
+def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
+                    microbatches: int = 1) -> jax.Array:
+    """Per-token log-probs under fixed parameters, at softmax(logits / temperature), in
+    `microbatches` slices, zero off the response mask: θ_old of PPO and OPD, or a frozen
+    reference for the KL term."""
+    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature)[0], batch,
+                    microbatches)
+    return jnp.where(batch.response_mask > 0, logp, 0.0)
