@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
+from opd_jax.errors import OpdJaxError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GLM-5.2-style RL post-training in JAX: PPO + IcePop, SGLang rollouts, OPD merging.")
+config_app = typer.Typer(no_args_is_help=True, help="Show a resolved config, or what a config key does.")
+app.add_typer(config_app, name="config")
+
+USER_ERROR = 2  # the exit status of a problem the user can fix (click's own usage errors use it too)
+_debug = False
+
+
+def _speaks_plainly(command: Callable) -> Callable:
+    """A project error (OpdJaxError: bad config, missing model, bad data, ...) becomes one
+    `error: ...` message on stderr and exit status 2; with --debug, its traceback. Anything else
+    is a bug and keeps its traceback."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except OpdJaxError as e:
+            if _debug:
+                raise
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(USER_ERROR) from None
+    return run
+
+
+def _command(target: typer.Typer = app, **options):
+    def register(command: Callable) -> Callable:
+        return target.command(**options)(_speaks_plainly(command))
+    return register
 
 
 def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[Path],
@@ -47,7 +78,7 @@ def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[P
     return requests
 
 
-@app.command()
+@_command()
 def generate(
     model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = [],  # noqa: B006
@@ -72,10 +103,7 @@ def generate(
     from opd_jax.sampling import Sampler, SamplingParams
 
     requests = _requests(prompt, messages, input_file, prompt_ids)
-    try:
-        decoder, tokenizer = load_model(resolve_model_path(model), dtype=dtype)
-    except ValueError as e:  # ModelFormatError is one
-        raise typer.BadParameter(str(e), param_hint="MODEL") from None
+    decoder, tokenizer = load_model(resolve_model_path(model), dtype=dtype)
     stops = set(stop_id) | set(decoder.config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
@@ -93,10 +121,7 @@ def generate(
                             stop_token_ids=tuple(sorted(stops)))
     sampler = Sampler(decoder)
     batch = [p for p in ids for _ in range(num_samples)]
-    try:
-        rollouts = sampler.generate(batch, params, jax.random.key(seed))
-    except ValueError as e:  # PromptTooLongError is one
-        raise typer.BadParameter(str(e)) from None
+    rollouts = sampler.generate(batch, params, jax.random.key(seed))
     for i, rollout in enumerate(rollouts):
         record = {"request": i // num_samples, "sample": i % num_samples,
                   "text": tokenizer.decode(rollout.output_ids, skip_special_tokens=True) if tokenizer else None,
@@ -114,14 +139,11 @@ def _split_overrides(config_file: Optional[Path], overrides: Optional[list[str]]
 
 
 def _load(config_file: Optional[Path], overrides: list[str], schema: Any = None):
-    from opd_jax.config import ConfigError, TrainConfig, load_config
-    try:
-        return load_config(config_file, overrides, schema=schema or TrainConfig)
-    except ConfigError as e:
-        raise typer.BadParameter(str(e), param_hint="CONFIG / OVERRIDES") from None
+    from opd_jax.config import TrainConfig, load_config
+    return load_config(config_file, overrides, schema=schema or TrainConfig)
 
 
-@app.command(context_settings={"allow_extra_args": False})
+@_command(context_settings={"allow_extra_args": False})
 def train(
     config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A YAML config (see configs/).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...",
@@ -129,40 +151,33 @@ def train(
     resume: Annotated[bool, typer.Option(help="Continue the run in logging.run_dir from its last checkpoint.")] = False,
 ) -> None:
     """RL-train a policy (PPO with a critic + IcePop by default; see the config)."""
-    from opd_jax.data import DataError
-    from opd_jax.train import RunError
     from opd_jax.train import train as run
 
     config = _load(*_split_overrides(config_file, overrides))
-    try:
-        run_dir = run(config, resume=resume)
-    except (RunError, DataError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"run written to {run_dir}")
+    typer.echo(f"run written to {run(config, resume=resume)}")
 
 
-@app.command()
+@_command()
 def sft(
     config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A YAML config (see configs/).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
 ) -> None:
     """Supervised warm start only (the config's sft section); writes a Hugging Face directory."""
+    from opd_jax.config import ConfigError
     from opd_jax.models import save_model
-    from opd_jax.train.build import build_policy
-    from opd_jax.train.sft import warm_start
+    from opd_jax.train import build_model, warm_start
 
     config = _load(*_split_overrides(config_file, overrides))
     if config.sft.steps == 0:
-        raise typer.BadParameter("sft.steps is 0: nothing to train", param_hint="CONFIG / OVERRIDES")
+        raise ConfigError("sft.steps is 0: nothing to train")
     run_dir = Path(config.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    policy, tokenizer = build_policy(config)
+    policy, tokenizer = build_model(config.model)
     policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
     typer.echo(f"model written to {save_model(policy, run_dir / 'sft_policy', tokenizer)}")
 
 
-@app.command()
+@_command()
 def experts(
     config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="An experts config (see configs/).")],
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
@@ -170,19 +185,13 @@ def experts(
 ) -> None:
     """Train the shared base, then one RL expert per domain from it (independent jobs)."""
     from opd_jax.config import ExpertsConfig
-    from opd_jax.data import DataError
-    from opd_jax.merge import ExpertsError, run_experts
+    from opd_jax.merge import run_experts
 
     config = _load(config_file, list(overrides or []), ExpertsConfig)
-    try:
-        run_dir = run_experts(config, only=only)
-    except (ExpertsError, DataError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"experts written to {run_dir}")
+    typer.echo(f"experts written to {run_experts(config, only=only)}")
 
 
-@app.command()
+@_command()
 def merge(
     config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="A merge config (see configs/).")],
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
@@ -191,23 +200,53 @@ def merge(
     """Merge the experts into one student by multi-teacher on-policy distillation; writes
     report.json (base, experts, student and weight-space baselines per domain)."""
     from opd_jax.config import MergeConfig
-    from opd_jax.data import DataError
-    from opd_jax.merge import MERGE_ERRORS, read_report_table
     from opd_jax.merge import merge as run
+    from opd_jax.merge import read_report_table
 
     config = _load(config_file, list(overrides or []), MergeConfig)
-    try:
-        run_dir = run(config, resume=resume)
-    except (*MERGE_ERRORS, DataError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+    run_dir = run(config, resume=resume)
     typer.echo(read_report_table(run_dir))
     typer.echo(f"merge written to {run_dir}")
 
 
+SCHEMAS = {"train": "TrainConfig", "merge": "MergeConfig", "experts": "ExpertsConfig"}
+Kind = Annotated[str, typer.Option("--kind", help="Which command's config: train, merge or experts.")]
+
+
+def _schema(kind: str) -> Any:
+    import opd_jax.config as configs
+    from opd_jax.config import ConfigError
+    if kind not in SCHEMAS:
+        raise ConfigError(f"--kind {kind!r}: use one of {', '.join(SCHEMAS)}")
+    return getattr(configs, SCHEMAS[kind])
+
+
+@_command(config_app, name="show")
+def config_show(
+    config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A YAML config (see configs/).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+    kind: Kind = "train",
+) -> None:
+    """Print the resolved config (file + overrides + every default) as YAML."""
+    from opd_jax.config import dump_config
+    typer.echo(dump_config(_load(*_split_overrides(config_file, overrides), _schema(kind))), nl=False)
+
+
+@_command(config_app, name="explain")
+def config_explain(
+    key: Annotated[str, typer.Argument(help="A dotted key, e.g. algorithm.ppo.surrogate.eps_high (or a section).")],
+    kind: Kind = "train",
+) -> None:
+    """What a config key does, its type and its default (a section: each of its keys)."""
+    from opd_jax.config import explain
+    typer.echo(explain(_schema(kind), key))
+
+
 @app.callback()
-def _root() -> None:
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error, too.")] = False) -> None:
     """opd_jax command line."""
+    global _debug
+    _debug = debug
 
 
 def main() -> None:

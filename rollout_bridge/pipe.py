@@ -18,6 +18,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from opd_jax.errors import OpdJaxError
 from rollout_bridge.protocol import Engine, WeightUpdate
 from rollout_bridge.records import Completion, Failure, Request, Rollout
 
@@ -30,7 +31,7 @@ async def in_request_order(engine: Engine, requests: Sequence[Request]) -> list[
     return [done[r.request_id] for r in requests]
 
 
-class PipeError(RuntimeError):
+class PipeError(OpdJaxError, RuntimeError):
     """The pipe could not collect the groups asked for (every replacement failed too)."""
 
 
@@ -68,13 +69,24 @@ class EngineThread(LoopThread):
     def update_weights(self, update: WeightUpdate) -> None:
         self.run(self.engine.update_weights(update))
 
+    def start(self):
+        """engine.start() on the loop; a Future, so several engines start side by side."""
+        return self.submit(self.engine.start())
+
+    def score(self, sequences: Sequence[Sequence[int]]):
+        """engine.score(sequences) on the loop; a Future of the per-token log-probs."""
+        return self.submit(self.engine.score(sequences))
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 
     def close(self) -> None:
         try:
-            self.run(self.engine.close(), timeout=60)
+            self.run(self.engine.close(), timeout=180)  # launched servers get time to stop
         finally:
             self.stop_loop()
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from opd_jax.errors import OpdJaxError
 from rollout_bridge.records import Completion, Request
 
 
@@ -28,7 +29,7 @@ class WeightUpdate:
     save_hf: Callable[[Path], None] | None = None
 
 
-class EngineError(RuntimeError):
+class EngineError(OpdJaxError, RuntimeError):
     """An engine that cannot do what was asked (refit rejected, no server healthy, ...)."""
 
 
@@ -49,8 +50,23 @@ class Engine(Protocol):
         """Serve `update` from now on; returns once every replica reports the new version."""
         ...
 
+    async def start(self) -> None:
+        """Make the engine ready: launch the servers it owns, if any, and wait until one answers;
+        EngineError (with the server's log) when none does."""
+        ...
+
     async def health(self) -> bool:
         """True when the engine can take requests now."""
+        ...
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher scoring: log p(token_i | tokens before it) under the served weights, for every
+        token after the first of each sequence (untempered)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's counters since it started (retries, failed requests, refit seconds, server
+        crashes, ...), by name; an engine without any returns {}."""
         ...
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> None:
@@ -66,4 +82,5 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None:
+        """Release everything, the servers the engine launched included."""
         ...

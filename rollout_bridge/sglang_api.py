@@ -12,10 +12,11 @@ import dataclasses
 import json
 from typing import Any
 
+from opd_jax.errors import OpdJaxError
 from rollout_bridge.records import FinishReason, Request
 
 
-class ProtocolError(ValueError):
+class ProtocolError(OpdJaxError, ValueError):
     """A server response that does not follow SGLang's API; the message says which field."""
 
 

@@ -63,7 +63,7 @@ class SGLangEngine:
         if not self.urls:
             raise EngineError("SGLangEngine needs server URLs or a ServerGroup to launch")
         if refit == "restart" and servers is None:
-            raise EngineError("refit='restart' needs servers the bridge launched itself (rollout.launch)")
+            raise EngineError("refit='restart' needs servers the bridge launched itself (rollout.sglang.launch)")
         self.servers, self.stream_responses = servers, stream
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.refit, self.refit_dir, self.interrupted = refit, Path(refit_dir), interrupted
@@ -301,6 +301,19 @@ class SGLangEngine:
             raise EngineError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
         return response
 
+    async def start(self) -> None:
+        if self.servers is not None:
+            await self.servers.start()
+        if not await self.health():
+            raise EngineError(f"no server answered its health check at {', '.join(self.urls)}")
+
+    def metrics(self) -> dict[str, float]:
+        out = {"retries": float(self.stats.retries), "interrupted": float(self.stats.interrupted),
+               "failed_requests": float(self.stats.failures), "refit_s_total": self.stats.refit_s}
+        if self.servers is not None:
+            out["server_crashes"] = float(self.servers.crashes())
+        return out
+
     async def health(self) -> bool:
         self._ensure()
         for url in self.urls:
@@ -349,13 +362,17 @@ class SGLangEngine:
                 return
             if self.refit == "disk" or self.servers is None:
                 raise EngineError(f"{url} has no /update_weights_from_disk; launch the servers from the bridge "
-                                  f"(rollout.launch) so it can restart them on new weights")
+                                  f"(rollout.sglang.launch) so it can restart them on new weights")
         await self.servers.restart(url, directory)
         info = (await self._control(url, "/get_model_info", method="GET")).json()
         if Path(str(info.get("model_path", ""))).resolve() != directory:
             raise EngineError(f"{url} serves {info.get('model_path')!r} after a restart onto {directory}")
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        try:
+            if self._client is not None:
+                await self._client.aclose()
+                self._client = None
+        finally:
+            if self.servers is not None:
+                await self.servers.close()

@@ -9,7 +9,8 @@ import pytest
 from opd_jax.core import validate_batch
 from opd_jax.data import Example
 from opd_jax.models.char_tokenizer import char_tokenizer
-from opd_jax.train.batching import RewardError, rollouts_to_batch, score_rollouts
+from opd_jax.rewards import RewardError
+from opd_jax.train.batching import rollout_rewards, rollouts_to_batch
 from rollout_bridge.records import Rollout
 
 
@@ -43,11 +44,11 @@ def test_rewards_from_verifiers_and_user_functions():
     eos = tok.eos_token_id
     examples = [Example("2+3=", "5", "addition"), Example("q", "12", "my_jsonl"), Example("q", "yes", "other")]
     outs = [rollout([1], [*tok.encode("5"), eos]), rollout([1], tok.encode("it is 12")), rollout([1], tok.encode("no"))]
-    np.testing.assert_array_equal(score_rollouts(outs, examples, tok), [1.0, 1.0, 0.0])
-    lengths = score_rollouts(outs, examples, tok, reward_fn=lambda p, r, a, d: float(len(r)))
+    np.testing.assert_array_equal(rollout_rewards(outs, examples, tok), [1.0, 1.0, 0.0])
+    lengths = rollout_rewards(outs, examples, tok, reward_fn=lambda p, r, a, d: float(len(r)))
     np.testing.assert_array_equal(lengths, [1.0, 8.0, 2.0])
     with pytest.raises(RewardError, match=r"reward of sample 1 \(domain 'my_jsonl'"):
-        score_rollouts(outs, examples, tok, reward_fn=lambda p, r, a, d: math.nan if d == "my_jsonl" else 1.0)
+        rollout_rewards(outs, examples, tok, reward_fn=lambda p, r, a, d: math.nan if d == "my_jsonl" else 1.0)
 
 
 def test_trainer_rescoring_matches_the_engine_at_its_temperature():

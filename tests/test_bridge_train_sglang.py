@@ -18,8 +18,8 @@ HEAD_DIM_128 = ["model.fresh.hidden_size=256", "model.fresh.intermediate_size=51
 
 
 def test_ppo_loop_runs_against_launched_sglang_servers(tmp_path):
-    config = {"rollout": {"engine": "sglang", "launch": {
-        "command": sglang_jax.command(sglang_python(), max_running_requests=16), "env": sglang_jax.ENV}}}
+    config = {"rollout": {"engine": "sglang", "sglang": {"launch": {
+        "command": sglang_jax.command(sglang_python(), max_running_requests=16), "env": sglang_jax.ENV}}}}
     path = tmp_path / "sglang.yaml"
     path.write_text(yaml.safe_dump(config))
     run = tmp_path / "run"
@@ -42,8 +42,8 @@ def test_a_server_that_will_not_start_stops_the_run_with_its_log(tmp_path):
     crash = [sys.executable, "-c", "import sys; print('no such model: ' + sys.argv[1]); sys.exit(3)",
              "{model_path}", "{port}"]
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"rollout": {"engine": "sglang", "launch": {"command": crash}}}))
+    path.write_text(yaml.safe_dump({"rollout": {"engine": "sglang", "sglang": {"launch": {"command": crash}}}}))
     result = run_cli(["train", path, *TINY, "steps=1", "sft.steps=0", f"logging.run_dir={tmp_path / 'run'}"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2 and "Traceback" not in result.output
     assert "did not start" in result.output and "exited with code 3" in result.output
     assert "no such model" in result.output

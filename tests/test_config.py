@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax.config import ConfigError, load_config, save_config
+from opd_jax.config import ConfigError, TrainConfig, load_config, save_config
 from opd_jax.core import MismatchCorrection, PPOConfig
 from rollout_bridge import sglang_jax
 
@@ -23,17 +23,18 @@ model:
 algorithm:
   ppo:
     lam_policy: adaptive
-    mismatch: {kind: tis, hi: 3.0}
+    surrogate: {mismatch: {kind: tis, hi: 3.0}}
   policy_optimizer: {learning_rate: 3.0e-4, max_grad_norm: 0.5}
 rollout: {samples_per_prompt: 4, dtype: bfloat16}
 data:
   train: [{builtin: addition}, {jsonl: prompts.jsonl, weight: 2}]
 """)
-    config = load_config(path, ["algorithm.ppo.eps_high=0.3", "rollout.samples_per_prompt=8", "mesh.fsdp=2"])
+    config = load_config(path, ["algorithm.ppo.surrogate.eps_high=0.3", "rollout.samples_per_prompt=8", "mesh.fsdp=2"])
     assert config.steps == 30 and config.model.fresh.hidden_size == 64 and config.model.fresh.num_heads == 4
     ppo = config.algorithm.ppo
-    assert isinstance(ppo, PPOConfig) and ppo.eps_high == 0.3 and ppo.eps_low == 0.2 and ppo.lam_policy == "adaptive"
-    assert ppo.mismatch == MismatchCorrection("tis", hi=3.0)
+    assert isinstance(ppo, PPOConfig) and ppo.lam_policy == "adaptive"
+    assert ppo.surrogate.eps_high == 0.3 and ppo.surrogate.eps_low == 0.2
+    assert ppo.surrogate.mismatch == MismatchCorrection("tis", hi=3.0)
     assert config.algorithm.policy_optimizer.learning_rate == 3e-4
     assert config.rollout.samples_per_prompt == 8 and config.rollout.dtype == "bfloat16"
     assert config.mesh.fsdp == 2 and config.data.train[1].jsonl == "prompts.jsonl"
@@ -45,8 +46,9 @@ data:
 @pytest.mark.parametrize("overrides,message", [
     (["algorithm.ppo.epz=1"], "algorithm.ppo.epz: unknown key"),
     (["rollout.temperature=hot"], "rollout.temperature: Input should be a valid number"),
-    (["algorithm.ppo.mismatch.kind=icepoo"], "algorithm.ppo.mismatch.kind: Input should be 'none', 'icepop'"),
-    (["algorithm.ppo.dual_clip=0.5"], "algorithm.ppo: Value error, dual_clip must be > 1"),
+    (["algorithm.ppo.surrogate.mismatch.kind=icepoo"],
+     "algorithm.ppo.surrogate.mismatch.kind: Input should be 'none', 'icepop'"),
+    (["algorithm.ppo.surrogate.dual_clip=0.5"], "algorithm.ppo.surrogate: Value error, dual_clip must be > 1"),
     (["mesh.data=0"], "mesh: Value error, mesh axis sizes must be positive or -1"),
     (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt: Input should be greater than 0"),
     (["data.train=[{builtin: addition, wieght: 2}]"], "data.train.0.wieght: unknown key"),
@@ -71,13 +73,37 @@ def test_bad_files_are_named(tmp_path):
 
 def test_the_sglang_quickstart_launches_what_the_bridge_tests_launch():
     config = load_config(Path(__file__).parents[1] / "configs" / "quickstart_sglang.yaml", [])
-    assert config.rollout.engine == "sglang" and config.rollout.launch.env == sglang_jax.ENV
-    assert config.rollout.launch.command == sglang_jax.command(".sglang-jax-venv/bin/python")
+    assert config.rollout.engine == "sglang" and config.rollout.sglang.launch.env == sglang_jax.ENV
+    assert config.rollout.sglang.launch.command == sglang_jax.command(".sglang-jax-venv/bin/python")
     assert config.model.fresh.head_dim == 128  # sglang-jax's CPU attention needs it
 
 
 def test_sglang_engine_settings_are_checked():
-    with pytest.raises(ConfigError, match="exactly one of rollout.urls"):
+    with pytest.raises(ConfigError, match="exactly one of rollout.sglang.urls"):
         load_config(None, ["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match="for engine 'sglang'"):
-        load_config(None, ["rollout.urls=[http://127.0.0.1:1]"])
+        load_config(None, ["rollout.sglang.urls=[http://127.0.0.1:1]"])
+
+
+@pytest.mark.parametrize("schema,key", [
+    ("train", "algorithm.ppo.group_size=2"), ("train", "algorithm.ppo.temperature=0.7"),
+    ("merge", "opd.group_size=2"), ("merge", "opd.num_teachers=3"), ("merge", "opd.temperature=0.7"),
+])
+def test_facts_of_the_run_are_not_knobs(schema, key):
+    """Samples per prompt, the number of teachers and the sampling temperature are set once
+    (rollout.samples_per_prompt, the teachers, rollout.temperature); the steps get them from the
+    run, so these keys do not exist and cannot be set to something the loop then overrides."""
+    from opd_jax.config import MergeConfig
+    overrides = [key] if schema == "train" else [key, "experts_dir=x"]
+    with pytest.raises(ConfigError, match=f"{key.split('=')[0]}: unknown key"):
+        load_config(None, overrides, schema=TrainConfig if schema == "train" else MergeConfig)
+
+
+def test_every_config_key_is_described_and_the_reference_is_current():
+    from opd_jax.config.reference import command_schemas, key_docs, reference_markdown
+    for command, schema in command_schemas().items():
+        undescribed = [d.key for d in key_docs(schema) if not d.description]
+        assert not undescribed, (command, undescribed)
+    reference = Path(__file__).parents[1] / "docs" / "config.md"
+    assert reference.read_text() == reference_markdown(command_schemas()), \
+        "docs/config.md is stale: python -m opd_jax.config.reference > docs/config.md"

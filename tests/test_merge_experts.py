@@ -56,7 +56,9 @@ def test_jobs_that_cannot_run_say_why(tmp_path):
         config(tmp_path, "experts={base: [{builtin: max}]}")
     # a job that fails in its own process is named, with the tail of its log
     bad = config(tmp_path / "bad", "launch.jobs=2", "expert.mesh.data=3")
-    with pytest.raises(ExpertsError, match=r"(?s)these jobs failed:\nbase \(exit 1, log .*job.log\):\n.*MeshError"):
+    # (the job's own CLI reports its user error in one line, exit status 2)
+    with pytest.raises(ExpertsError, match=r"(?s)these jobs failed:\nbase \(exit 2, log .*job.log\):\n"
+                                           r"error: mesh \(data=3, fsdp=1, tensor=1\) needs 3 devices"):
         run_experts(bad)
     save_config(bad, tmp_path / "saved.yaml")
     assert load_config(tmp_path / "saved.yaml", schema=ExpertsConfig) == bad

@@ -223,7 +223,7 @@ def test_bad_inputs_stop_the_merge_before_training(models, tmp_path):
 
 def test_config_errors_name_the_problem(tmp_path):
     result = CliRunner().invoke(app, ["merge", os.devnull, "teachers.engine=sglang", "opd.loss=full",
-                                      "teachers.urls={a: [http://127.0.0.1:1]}", "experts_dir=x"],
+                                      "teachers.sglang.urls={a: [http://127.0.0.1:1]}", "experts_dir=x"],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "opd.loss 'full' needs each teacher's whole distribution" in result.output
     result = CliRunner().invoke(app, ["merge", os.devnull, "opd.los=full"], env={"COLUMNS": "200"})

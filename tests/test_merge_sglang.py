@@ -33,8 +33,8 @@ def test_teachers_on_sglang_servers_equal_local_teachers(tmp_path):
               "logging.tensorboard=false", "logging.plot=false", "checkpoint.every=2",
               "baselines.weight_average=false", "baselines.task_arithmetic=false"]
     launched = tmp_path / "sglang.yaml"
-    launched.write_text(yaml.safe_dump({"teachers": {"engine": "sglang", "launch": {
-        "command": sglang_jax.command(sglang_python(), max_running_requests=16), "env": sglang_jax.ENV}}}))
+    launched.write_text(yaml.safe_dump({"teachers": {"engine": "sglang", "sglang": {"launch": {
+        "command": sglang_jax.command(sglang_python(), max_running_requests=16), "env": sglang_jax.ENV}}}}))
     on_servers = merge(load_config(launched, [*common, f"logging.run_dir={tmp_path / 'sglang'}"], schema=MergeConfig))
     local = merge(load_config(None, [*common, f"logging.run_dir={tmp_path / 'local'}"], schema=MergeConfig))
 

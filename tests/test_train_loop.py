@@ -69,9 +69,9 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
 def _like(run_dir):
     """A state of the run's shapes to restore into, rebuilt from its saved config."""
     from opd_jax.core import PPOState, make_optimizer
-    from opd_jax.train.build import build_critic, build_policy
+    from opd_jax.train import build_critic, build_model
     config = load_config(run_dir / "config.yaml")
-    policy, _ = build_policy(config)
+    policy, _ = build_model(config.model)
     return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
                            make_optimizer(config.algorithm.critic_optimizer))
 

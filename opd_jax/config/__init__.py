@@ -1,7 +1,8 @@
 """Typed, validated training configs: YAML plus dotted overrides, errors that name the key."""
 
-from opd_jax.config.load import ConfigError, load_config, save_config, to_plain
-from opd_jax.config.merge import ExpertsConfig, MergeConfig
+from opd_jax.config.load import ConfigError, dump_config, load_config, save_config, to_plain
+from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig
+from opd_jax.config.reference import explain
 from opd_jax.config.schema import (
     AlgorithmSection,
     CheckpointSection,
@@ -13,8 +14,9 @@ from opd_jax.config.schema import (
     SFTSection,
     SourceSpec,
     TrainConfig,
+    scoring_temperature,
 )
 
 __all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "ExpertsConfig", "FreshModel",
            "LoggingSection", "MergeConfig", "ModelSection", "RolloutSection", "SFTSection", "SourceSpec", "TrainConfig",
-           "load_config", "save_config", "to_plain"]
+           "dump_config", "explain", "load_config", "save_config", "scoring_temperature", "to_plain"]

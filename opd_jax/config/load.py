@@ -14,11 +14,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from opd_jax.config.schema import TrainConfig
+from opd_jax.errors import OpdJaxError
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
-class ConfigError(ValueError):
+class ConfigError(OpdJaxError, ValueError):
     """A config that cannot be used; the message names the file or the dotted key."""
 
 
@@ -34,7 +35,7 @@ def _describe(error: dict[str, Any]) -> str:
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
                 schema: type[M] = TrainConfig) -> M:
     """The config (a TrainConfig, or another `schema`) from a YAML file (or the defaults) with
-    `overrides` such as ["algorithm.ppo.eps_high=0.3", "rollout.samples_per_prompt=8"] applied."""
+    `overrides` such as ["algorithm.ppo.surrogate.eps_high=0.3", "rollout.samples_per_prompt=8"] applied."""
     try:
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
         if not isinstance(base, dict) and not OmegaConf.is_dict(base):
@@ -70,6 +71,11 @@ def to_plain(config: Any) -> Any:
     return plain(config)
 
 
+def dump_config(config: pydantic.BaseModel) -> str:
+    """The resolved config as YAML, every default included (what `opd-jax config show` prints)."""
+    return yaml.safe_dump(to_plain(config), sort_keys=False)
+
+
 def save_config(config: pydantic.BaseModel, path: str | Path) -> None:
     """Write the resolved config; load_config(path) gives it back."""
-    Path(path).write_text(yaml.safe_dump(to_plain(config), sort_keys=False))
+    Path(path).write_text(dump_config(config))

@@ -16,7 +16,8 @@ DType = Literal["float32", "bfloat16"]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # every field's docstring is its description (docs/config.md, `opd-jax config explain`)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class FreshModel(Section):
@@ -24,25 +25,38 @@ class FreshModel(Section):
     character tokenizer; vocab_size comes from that tokenizer."""
 
     family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    """Architecture family: llama, qwen2 (q/k/v biases) or qwen3 (q/k norm)."""
     hidden_size: int = Field(128, gt=0)
+    """Width of the residual stream."""
     intermediate_size: int = Field(384, gt=0)
+    """Width of the SwiGLU MLP."""
     num_layers: int = Field(4, gt=0)
+    """Decoder layers."""
     num_heads: int = Field(4, gt=0)
+    """Query heads."""
     num_kv_heads: int = Field(2, gt=0)
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
     head_dim: int = Field(32, gt=0)
+    """Width of each attention head."""
     max_position_embeddings: int = Field(512, gt=0)
+    """Longest sequence the model is built for (RoPE positions)."""
     seed: int = 0
+    """Seed of the random initialisation."""
 
 
 class ModelSection(Section):
-    """Exactly one of `path` (an HF directory, a .gguf file or a known name such as
-    'smollm2-135m-instruct') and `fresh`."""
+    """The policy: exactly one of `path` and `fresh`."""
 
     path: str | None = None
+    """A Hugging Face directory, a .gguf file, or a packaged model's name ('smollm2-135m-instruct')."""
     fresh: FreshModel | None = None
+    """A model trained from scratch, with the character tokenizer."""
     dtype: DType = "float32"
+    """Precision of the trainer's parameters."""
     compute_dtype: DType | None = None
+    """Precision of the trainer's activations; unset: the parameters' dtype."""
     critic_head_init: Literal["zero", "small"] = "small"
+    """Initial value head of the critic: all zeros, or small random weights."""
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -52,87 +66,126 @@ class ModelSection(Section):
 
 
 class LaunchSection(Section):
-    """Local SGLang servers the bridge starts and supervises. `command` is the argument list with
-    {model_path}, {host} and {port} placeholders; the servers start on the initial policy and
-    are restarted on a crash (and on each refit when they lack update_weights_from_disk)."""
+    """Local SGLang servers the bridge starts and supervises: started on the initial policy,
+    restarted on a crash (and on each refit when they lack update_weights_from_disk)."""
 
     command: list[str] = Field(min_length=1)
+    """The server's argument list, with {model_path}, {host} and {port} placeholders."""
     num_servers: int = Field(1, gt=0)
+    """How many servers to start."""
     host: str = "127.0.0.1"
+    """Address they listen on."""
     ports: list[int] = []
+    """Their ports (one per server); empty: free ports are picked."""
     env: dict[str, str] = {}
+    """Environment variables added for the servers."""
     startup_timeout_s: float = Field(600.0, gt=0)
+    """How long a server may take to answer its health check."""
 
 
-class SGLangOptions(Section):
-    """How the bridge talks to SGLang. refit: 'disk' = pause → flush_cache →
-    update_weights_from_disk → continue; 'restart' = relaunch on the new weights; 'auto' = disk
-    where the server has the endpoint, else restart."""
+class SGLangClientSection(Section):
+    """How the bridge talks to SGLang servers."""
 
-    stream: bool = True
-    refit: Literal["auto", "disk", "restart"] = "auto"
+    launch: LaunchSection | None = None
+    """Servers the bridge launches (exclusive with urls)."""
     request_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one request."""
     max_retries: int = Field(5, ge=0)
+    """Retries of a request after connection errors, 5xx, cut streams (then it fails)."""
     max_concurrency: int = Field(256, gt=0)
+    """Requests in flight at once."""
+
+
+class SGLangSection(SGLangClientSection):
+    """The rollout engine as SGLang servers: running ones at `urls` (or one sglang-router URL),
+    or ones the bridge `launch`es."""
+
+    urls: list[str] = []
+    """Running servers, or one sglang-router URL (exclusive with launch)."""
+    stream: bool = True
+    """Stream responses (SSE) instead of waiting for whole ones."""
+    refit: Literal["auto", "disk", "restart"] = "auto"
+    """New weights by pause → flush_cache → update_weights_from_disk → continue (disk), by relaunching the servers (restart), or disk where the server has the endpoint (auto)."""  # noqa: E501
 
 
 class RolloutSection(Section):
     """How samples are drawn. `dtype` is the engine's precision, which may differ from the
-    trainer's so the train/inference mismatch is real. `truncated`: what a response cut at
-    max_new_tokens gets: kept as is, masked out of the loss, or its reward set to
-    `truncation_penalty`."""
+    trainer's so the train/inference mismatch is real."""
 
     engine: Literal["embedded", "sglang"] = "embedded"
-    urls: list[str] = []  # sglang: running servers (or one sglang-router URL) ...
-    launch: LaunchSection | None = None  # ... or servers the bridge launches
-    sglang: SGLangOptions = SGLangOptions()
-    # async RL: rollouts for step n+1 are generated while step n trains; a group whose oldest
-    # token is more than max_staleness weight versions old is dropped (kept with keep_stale)
+    """embedded: the JAX sampler in this process; sglang: SGLang servers (see rollout.sglang)."""
+    sglang: SGLangSection = SGLangSection()
+    """SGLang servers and client settings (engine sglang only)."""
     max_staleness: int = Field(0, ge=0)
+    """Async RL: rollouts for the next steps are generated while this one trains; a group more than this many weight versions old is dropped (0: synchronous)."""  # noqa: E501
     keep_stale: bool = False
-    interrupted: Literal["resume", "discard"] = "resume"  # a rollout cut by a refit
+    """Keep (and count) stale groups instead of dropping them."""
+    interrupted: Literal["resume", "discard"] = "resume"
+    """A rollout cut by a refit: continued on the new weights, or discarded."""
     samples_per_prompt: int = Field(4, gt=0)
+    """Samples per prompt (G): the group of GRPO and of the MOPD reward baseline."""
     max_new_tokens: int = Field(32, gt=0)
+    """Longest response."""
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy); the trainer scores at the same temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold (1: off)."""
     top_k: int = Field(0, ge=0)
+    """Sample from the k most likely tokens (0: off)."""
     dtype: DType = "float32"
+    """The engine's precision (bfloat16 against a float32 trainer: a real mismatch)."""
     truncated: Literal["keep", "mask", "penalize"] = "keep"
+    """A response cut at max_new_tokens: trained on as is, masked out of the loss, or given truncation_penalty as reward."""  # noqa: E501
     truncation_penalty: float = 0.0
-    # research knob: the engine's weights get N(0, (noise·std(w))²) added at every sync, a
-    # train/inference mismatch larger than bf16's, to study the corrections under stress
+    """The reward of a truncated response when truncated is penalize."""
     inject_weight_noise: float = Field(0.0, ge=0)
+    """Research knob: add N(0, (noise·std(w))²) to the engine's weights at every sync, a mismatch larger than bf16's."""  # noqa: E501
 
     @model_validator(mode="after")
     def _engine_settings(self) -> RolloutSection:
-        if self.engine == "sglang" and bool(self.urls) == (self.launch is not None):
-            raise ValueError("engine 'sglang' needs exactly one of rollout.urls (running servers) and "
-                             "rollout.launch (servers to start)")
-        if self.engine == "embedded" and (self.urls or self.launch is not None):
-            raise ValueError("rollout.urls / rollout.launch are for engine 'sglang'; the embedded engine has none")
+        servers = self.sglang
+        if self.engine == "sglang" and bool(servers.urls) == (servers.launch is not None):
+            raise ValueError("engine 'sglang' needs exactly one of rollout.sglang.urls (running servers) and "
+                             "rollout.sglang.launch (servers to start)")
+        if self.engine == "embedded" and (servers.urls or servers.launch is not None):
+            raise ValueError("rollout.sglang.urls / rollout.sglang.launch are for engine 'sglang'; the embedded "
+                             "engine has none")
         return self
+
+
+def scoring_temperature(rollout: RolloutSection) -> float:
+    """The temperature the trainer scores rollouts at: the engine's sampling temperature, so
+    trainer and engine log-probs are of one distribution; greedy engines (T = 0) report
+    log-probs at T = 1. Decided here, once, for every step and scoring pass."""
+    return rollout.temperature or 1.0
 
 
 class AlgorithmSection(Section):
     """The PPO step's knobs (`ppo.advantage`: GAE from the critic, the GLM-5.2 recipe, or the
-    GRPO group baseline; `ppo.group_size` is set from rollout.samples_per_prompt) and the two
-    optimizers."""
+    GRPO group baseline, over groups of rollout.samples_per_prompt) and the two optimizers."""
 
     ppo: PPOConfig = PPOConfig()
+    """The PPO step: advantages, the clipped IcePop surrogate, the critic, updates."""
     policy_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6)
+    """The policy's optimizer."""
     critic_optimizer: OptimizerConfig = OptimizerConfig(learning_rate=5e-6)
+    """The critic's optimizer."""
 
 
 class SourceSpec(Section):
     """One prompt source: a built-in procedural domain (with its `params`, e.g. {digits: 3}) or a
-    JSONL file of {prompt or messages, answer, domain} (held-out prompts in `eval_jsonl`).
-    `weight` is its share of the training mix."""
+    JSONL file of {prompt or messages, answer, domain}."""
 
     builtin: str | None = None
+    """A built-in domain: addition, multiplication, reverse, sort, count, parity, max, copy_edit, chain, long_count, word_problems."""  # noqa: E501
     params: dict[str, int | float | str] = {}
+    """The built-in domain's parameters, e.g. {digits: 3}."""
     jsonl: str | None = None
+    """A JSONL file of {prompt or messages, answer, domain} records."""
     eval_jsonl: str | None = None
+    """Held-out prompts of a JSONL source (built-in domains draw their own)."""
     weight: float = Field(1.0, gt=0)
+    """Its share of the training mix."""
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -146,12 +199,20 @@ class SourceSpec(Section):
 
 
 class DataSection(Section):
+    """The prompts: a weighted mix of sources, how many per step, and the held-out sets."""
+
     train: list[SourceSpec] = [SourceSpec(builtin="addition")]
+    """The prompt sources, mixed by weight."""
     prompts_per_step: int = Field(8, gt=0)
+    """Prompts per training step (each sampled samples_per_prompt times)."""
     eval_prompts_per_domain: int = Field(32, gt=0)
+    """Held-out prompts per domain for the accuracy evaluation."""
     chat_template: bool = False
-    reward_fn: str | None = Field(None, description="'module:function' overriding the domain verifiers")
+    """Wrap plain prompts in the model's chat template."""
+    reward_fn: str | None = None
+    """'module:function' reward(prompt, response, answer, domain) -> float, replacing the domain verifiers."""
     seed: int = 0
+    """Seed of the prompt stream."""
 
 
 class SFTSection(Section):
@@ -159,34 +220,72 @@ class SFTSection(Section):
     none). RL needs a policy that sometimes succeeds."""
 
     steps: int = Field(0, ge=0)
+    """Supervised updates before RL (0: none)."""
     batch_size: int = Field(32, gt=0)
+    """Demonstrations per update."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3)
+    """The warm start's optimizer."""
 
 
 class CheckpointSection(Section):
+    """Orbax checkpoints of the whole train state and the prompt stream (exact resume)."""
+
     every: int = Field(50, gt=0)
+    """Save every this many steps (and at the end)."""
     keep: int = Field(3, gt=0)
+    """How many checkpoints to keep."""
     export_hf: bool = True
+    """Write the trained policy as a Hugging Face directory (hf_policy/) at the end."""
 
 
 class LoggingSection(Section):
+    """Where a run's outputs go and how often it evaluates."""
+
     run_dir: str = "runs/default"
+    """The run directory: config, metrics, checkpoints, exports."""
     eval_every: int = Field(10, gt=0)
+    """Held-out evaluation every this many steps (and at the end)."""
     eval_at_start: bool = True
+    """Evaluate before the first step."""
     tensorboard: bool = True
+    """Write TensorBoard event files."""
     progress_bar: bool = True
+    """Show a progress bar."""
     plot: bool = True
+    """Write curves.png at the end."""
 
 
 class TrainConfig(Section):
+    """`opd-jax train`: PPO (or GRPO) on the policy's own rollouts."""
+
     steps: int = Field(100, gt=0)
+    """Training steps (one batch of rollouts each)."""
     seed: int = 0
+    """Seed of sampling and of the critic's head."""
     model: ModelSection = ModelSection(fresh=FreshModel())
+    """The policy."""
     mesh: MeshConfig = MeshConfig()
+    """The device mesh the step is sharded over."""
     distributed: DistributedConfig = DistributedConfig()
+    """Multi-host start-up."""
     rollout: RolloutSection = RolloutSection()
+    """The rollout engine and sampling."""
     algorithm: AlgorithmSection = AlgorithmSection()
+    """The PPO step and its optimizers."""
     data: DataSection = DataSection()
+    """The prompts."""
     sft: SFTSection = SFTSection()
+    """The supervised warm start."""
     checkpoint: CheckpointSection = CheckpointSection()
+    """Checkpoints and the final export."""
     logging: LoggingSection = LoggingSection()
+    """The run directory, evaluation and logs."""
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> TrainConfig:
+        group = self.rollout.samples_per_prompt
+        try:
+            self.algorithm.ppo.check_batch_size(self.data.prompts_per_step * group, group)
+        except ValueError as e:
+            raise ValueError(f"data.prompts_per_step × rollout.samples_per_prompt: {e} (algorithm.ppo.update)") from None
+        return self

@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from opd_jax.data.domains import Example, get_domain
+from opd_jax.errors import OpdJaxError
 
 SPLITS = {"train": 0, "eval": 1}
 
 
-class DataError(ValueError):
+class DataError(OpdJaxError, ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 

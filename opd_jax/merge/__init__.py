@@ -8,10 +8,7 @@ from opd_jax.merge.loop import merge
 from opd_jax.merge.plan import MergeError, MergePlan, TeacherSpec, resolve_plan
 from opd_jax.merge.routing import RoutingError, check_teacher_compatible, routing_table, teacher_indices
 from opd_jax.merge.teachers import LocalTeachers, SGLangTeachers, TeacherError
-from opd_jax.train.errors import RunError
-
-# what stops a merge before or during training, each with a message naming the culprit
-MERGE_ERRORS = (MergeError, RoutingError, TeacherError, RunError)
+from opd_jax.train import RunError
 
 
 def read_report_table(run_dir: str | Path) -> str:
@@ -20,6 +17,6 @@ def read_report_table(run_dir: str | Path) -> str:
     return path.read_text() if path.exists() else f"(no report in {run_dir})"
 
 
-__all__ = ["MERGE_ERRORS", "ExpertsError", "LocalTeachers", "MergeError", "MergePlan", "RoutingError", "RunError",
+__all__ = ["ExpertsError", "LocalTeachers", "MergeError", "MergePlan", "RoutingError", "RunError",
            "SGLangTeachers", "TeacherError", "TeacherSpec", "check_teacher_compatible", "merge", "read_report_table",
            "resolve_plan", "routing_table", "run_experts", "teacher_indices"]

@@ -23,21 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from opd_jax.config import TrainConfig, load_config, save_config, to_plain
-from opd_jax.config.merge import ExpertsConfig
+from opd_jax.config.opd_pipeline import ExpertsConfig
 from opd_jax.data import source_domains
+from opd_jax.errors import OpdJaxError
 from opd_jax.models import save_model
-from opd_jax.train import train
-from opd_jax.train.build import build_policy
-from opd_jax.train.checkpoint import Checkpoints
-from opd_jax.train.errors import RunError
-from opd_jax.train.evaluate import held_out_evaluator
-from opd_jax.train.metrics import read_metrics
-from opd_jax.train.sft import warm_start
+from opd_jax.train import Checkpoints, RunError, build_model, held_out_evaluator, read_metrics, train, warm_start
 
 BASE = "base"
 
 
-class ExpertsError(RuntimeError):
+class ExpertsError(OpdJaxError, RuntimeError):
     """A base or expert that could not be trained; names it and where its log is."""
 
 
@@ -91,7 +86,7 @@ def build_base(config: ExpertsConfig) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     cfg = base_train_config(config)
     began = time.perf_counter()
-    policy, tokenizer = build_policy(cfg)
+    policy, tokenizer = build_model(cfg.model)
     if cfg.sft.steps:
         policy = warm_start(policy, tokenizer, cfg, directory / "sft_metrics.jsonl")
     model_dir = save_model(policy, directory / "model", tokenizer)

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from opd_jax.config import DataSection, ModelSection, SourceSpec
-from opd_jax.config.merge import MergeConfig
+from opd_jax.config.opd_pipeline import MergeConfig
 from opd_jax.data import source_domains
+from opd_jax.errors import OpdJaxError
 from opd_jax.merge.experts import base_dir, expert_dir
 from opd_jax.merge.routing import routing_table, teacher_indices
 
 
-class MergeError(RuntimeError):
+class MergeError(OpdJaxError, RuntimeError):
     """A merge that cannot start; the message says what is missing or wrong."""
 
 

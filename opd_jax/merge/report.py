@@ -18,14 +18,13 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from opd_jax.config.merge import MergeConfig
-from opd_jax.core.weight_merging import average_weights, task_arithmetic
+from opd_jax.config.opd_pipeline import MergeConfig
+from opd_jax.core.weight_space import average_weights, task_arithmetic
 from opd_jax.data import validation_prompts
 from opd_jax.merge.plan import MergePlan
 from opd_jax.merge.teachers import load_teacher
 from opd_jax.models import Decoder, Tokenizer
-from opd_jax.train.build import build_model
-from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
+from opd_jax.train import HeldOutEvaluator, build_model, held_out_evaluator
 
 COLUMNS = ("base", "expert", "student", "weight_average", "task_arithmetic")
 

@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from opd_jax.errors import OpdJaxError
 from opd_jax.models import Tokenizer
 
 
-class RoutingError(ValueError):
+class RoutingError(OpdJaxError, ValueError):
     """A prompt with no teacher, or a teacher that cannot score the student's tokens."""
 
 

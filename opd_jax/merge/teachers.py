@@ -17,22 +17,20 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from opd_jax.config.merge import TeachersSection
-from opd_jax.core import RolloutBatch
-from opd_jax.core.opd_step import DistillLoss, OPDConfig, teacher_scores
+from opd_jax.config.opd_pipeline import TeachersSection
+from opd_jax.core import OPDConfig, RolloutBatch, teacher_scores
+from opd_jax.core.opd_step import DistillLoss
+from opd_jax.errors import OpdJaxError
 from opd_jax.merge.plan import TeacherSpec
 from opd_jax.merge.routing import check_teacher_compatible
 from opd_jax.models import Decoder, ModelConfig, ModelFormatError, Tokenizer, load_model
-from opd_jax.parallel import DEFAULT_RULES, batch_shardings, shard, tree_shardings
-from opd_jax.parallel.compile import under_mesh
-from opd_jax.train.engines import close_engine
+from opd_jax.parallel import DEFAULT_RULES, batch_shardings, batch_shards, shard, tree_shardings, under_mesh
+from opd_jax.train import sglang_engine
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import EngineError
-from rollout_bridge.servers import LaunchSpec, ServerGroup
-from rollout_bridge.sglang_engine import SGLangEngine
 
 
-class TeacherError(RuntimeError):
+class TeacherError(OpdJaxError, RuntimeError):
     """A teacher that cannot be loaded or whose scores cannot be trained on; names the teacher."""
 
 
@@ -104,8 +102,7 @@ class LocalTeachers:
             graphdef, params = nnx.split(model, nnx.Param)
             self._graphdefs.append(graphdef)
             self._params.append(shard(params, tree_shardings(params, mesh, rules)))
-        data_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-        self._granule = math.lcm(data_shards, microbatches)
+        self._granule = math.lcm(batch_shards(mesh, rules), microbatches)
         self._vocab = models[0].config.vocab_size
         self._call = under_mesh(_score, mesh, rules)
 
@@ -157,7 +154,7 @@ class SGLangTeachers:
             rows = np.flatnonzero(teacher_index == teacher)
             engine = self.engines[teacher]
             sequences = [tokens[b, :lengths[b]].tolist() for b in rows]
-            asked.append((teacher, rows, engine.submit(engine.engine.score(sequences))))
+            asked.append((teacher, rows, engine.score(sequences)))
         for teacher, rows, future in asked:
             try:
                 scored = future.result()
@@ -172,11 +169,11 @@ class SGLangTeachers:
 
     def close(self) -> None:
         for engine in self.engines:
-            close_engine(engine)
+            engine.close()
 
 
 def build_teachers(specs: Sequence[TeacherSpec], section: TeachersSection, student: Decoder, tokenizer: Tokenizer,
-                   mesh: Mesh, opd: OPDConfig, log_dir: Path) -> Teachers:
+                   mesh: Mesh, opd: OPDConfig, temperature: float, log_dir: Path) -> Teachers:
     """The teachers of a merge, each checked before any training: its checkpoint loads, its
     vocabulary and tokenizer are the student's. Local ones are placed on the mesh; SGLang ones
     are launched (or reached at their URLs) and must answer."""
@@ -188,37 +185,28 @@ def build_teachers(specs: Sequence[TeacherSpec], section: TeachersSection, stude
                                      tokenizer)
             models.append(model)
         return LocalTeachers([s.name for s in specs], models, mesh, loss=opd.loss, top_k=opd.top_k,
-                             temperature=opd.temperature, microbatches=opd.microbatches)
+                             temperature=temperature, microbatches=opd.update.microbatches)
     for spec in specs:
         config, teacher_tokenizer = load_teacher(spec.name, spec.path, section.dtype, weights=False)
         check_teacher_compatible(spec.name, config.vocab_size, teacher_tokenizer, student.config.vocab_size, tokenizer)
     engines: list[EngineThread] = []
     try:
         starts = []
+        servers = section.sglang
         for spec in specs:
-            servers = None
-            if section.launch is not None:
-                launch = section.launch
-                servers = ServerGroup(LaunchSpec(tuple(launch.command), launch.num_servers, launch.host,
-                                                 tuple(launch.ports), tuple(launch.env.items()),
-                                                 launch.startup_timeout_s, log_dir / spec.name),
-                                      spec.path.resolve())
-            elif spec.name not in section.urls:
-                raise TeacherError(f"teacher {spec.name!r} has no entry in teachers.urls")
-            engine = EngineThread(SGLangEngine(section.urls.get(spec.name, ()), servers=servers, stream=False,
-                                               request_timeout_s=section.sglang.request_timeout_s,
-                                               max_retries=section.sglang.max_retries,
-                                               max_concurrency=section.sglang.max_concurrency))
+            if servers.launch is None and spec.name not in servers.urls:
+                raise TeacherError(f"teacher {spec.name!r} has no entry in teachers.sglang.urls")
+            engine = sglang_engine(servers, servers.urls.get(spec.name, ()), model_dir=spec.path.resolve(),
+                                   log_dir=log_dir / spec.name, stream=False)
             engines.append(engine)
-            starts.append((spec.name, engine.submit(servers.start() if servers else engine.engine.health())))
+            starts.append((spec.name, engine.start()))
         for name, started in starts:  # the servers start side by side
             try:
-                if started.result() is False:
-                    raise EngineError("no server answered its health check")
+                started.result()
             except EngineError as e:
                 raise TeacherError(f"teacher {name!r}: {e}") from None
         return SGLangTeachers([s.name for s in specs], engines)
     except BaseException:
         for engine in engines:
-            close_engine(engine)
+            engine.close()
         raise

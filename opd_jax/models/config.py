@@ -11,13 +11,24 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from opd_jax.errors import OpdJaxError
+
 Family = Literal["llama", "qwen2", "qwen3"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _FAMILY_OF_ARCHITECTURE = {v: k for k, v in _ARCHITECTURES.items()}
 
 
-class ModelFormatError(ValueError):
+def family_defaults(family: str, attention_bias: bool = False) -> dict[str, bool]:
+    """The architecture switches a family fixes, in one place (fresh models and loaded ones):
+    Qwen2's q/k/v biases (no output bias), Qwen3's per-head q/k RMSNorm; Llama and Qwen3 take
+    `attention_bias` for q/k/v/o alike."""
+    return {"qkv_bias": True if family == "qwen2" else attention_bias,
+            "o_bias": False if family == "qwen2" else attention_bias,
+            "qk_norm": family == "qwen3"}
+
+
+class ModelFormatError(OpdJaxError, ValueError):
     """A model file or directory that cannot be read as one of the supported decoders."""
 
 
@@ -121,9 +132,7 @@ class ModelConfig:
             rope_scaling=_parse_rope_scaling(hf.get("rope_scaling") or rope_parameters, source),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
-            qk_norm=family == "qwen3",
+            **family_defaults(family, attention_bias),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -1,10 +1,18 @@
 """Sharding over a device mesh: mesh construction, logical-axis rules, the sharded jit, multi-host."""
 
-from opd_jax.parallel.compile import sharded_scoring, sharded_step
+from opd_jax.parallel.compile import sharded_scoring, sharded_step, under_mesh
 from opd_jax.parallel.distributed import DistributedConfig, global_batch, initialize_distributed
 from opd_jax.parallel.mesh import MESH_AXES, MeshConfig, MeshError, make_mesh
-from opd_jax.parallel.rules import DEFAULT_RULES, LogicalRules, batch_shardings, logical_spec, shard, tree_shardings
+from opd_jax.parallel.rules import (
+    DEFAULT_RULES,
+    LogicalRules,
+    batch_shardings,
+    batch_shards,
+    logical_spec,
+    shard,
+    tree_shardings,
+)
 
 __all__ = ["DEFAULT_RULES", "MESH_AXES", "DistributedConfig", "LogicalRules", "MeshConfig", "MeshError",
-           "batch_shardings", "global_batch", "initialize_distributed", "logical_spec", "make_mesh", "shard",
-           "sharded_scoring", "sharded_step", "tree_shardings"]
+           "batch_shardings", "batch_shards", "global_batch", "initialize_distributed", "logical_spec", "make_mesh", "shard",
+           "sharded_scoring", "sharded_step", "tree_shardings", "under_mesh"]

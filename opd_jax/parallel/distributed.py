@@ -18,12 +18,20 @@ class DistributedConfig:
     / OPD_JAX_LOCAL_DEVICE_IDS, then to JAX's own detection (JAX_COORDINATOR_ADDRESS, SLURM, ...).
     `enabled=False` (the default) runs as a single process."""
 
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
+
     enabled: bool = False
+    """Start jax.distributed (multi-host); false: a single process."""
     coordinator_address: str | None = None
+    """host:port of process 0; unset: OPD_JAX_COORDINATOR, then JAX's detection."""
     num_processes: int | None = None
+    """Number of processes; unset: OPD_JAX_NUM_PROCESSES, then JAX's detection."""
     process_id: int | None = None
+    """This process's index; unset: OPD_JAX_PROCESS_ID, then JAX's detection."""
     local_device_ids: tuple[int, ...] | None = None
+    """Devices this process uses; unset: OPD_JAX_LOCAL_DEVICE_IDS, then all local ones."""
     initialization_timeout_s: int = 300
+    """How long to wait for every process to join."""
 
 
 def _env_int(name: str) -> int | None:

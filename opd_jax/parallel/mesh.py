@@ -10,10 +10,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from opd_jax.errors import OpdJaxError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
-class MeshError(ValueError):
+class MeshError(OpdJaxError, ValueError):
     """A mesh shape that does not fit the devices."""
 
 
@@ -22,9 +24,14 @@ class MeshConfig:
     """Sizes of the data-parallel, fully-sharded-data-parallel and tensor-parallel axes. At most
     one may be -1, meaning all devices left over; their product must equal the device count."""
 
+    __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
+
     data: int = -1
+    """Data-parallel axis size (-1: the devices left over)."""
     fsdp: int = 1
+    """Fully-sharded data-parallel axis size: parameters and optimizer state sharded, batches split."""
     tensor: int = 1
+    """Tensor-parallel axis size: heads, MLP width and vocabulary split."""
 
     def __post_init__(self):
         sizes = [self.data, self.fsdp, self.tensor]

@@ -18,6 +18,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from opd_jax.parallel.mesh import MeshError
+
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 # FSDP shards the model dimension of every weight (ZeRO-3); tensor parallelism splits heads,
@@ -69,6 +71,11 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
+def batch_shards(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
+    """How many ways a batch's rows are split on `mesh` (the mesh axes the "batch" axis maps to)."""
+    return _axis_size(mesh, nn.logical_to_mesh_axes(("batch",), rules)[0])
+
+
 def batch_shardings(batch: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Any:
     """Every array of `batch` split along its first (sample) dimension over the "batch" axes."""
     axes = nn.logical_to_mesh_axes(("batch",), rules)[0]
@@ -76,7 +83,7 @@ def batch_shardings(batch: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES)
 
     def one(x):
         if x.shape[0] % split:
-            raise ValueError(f"a batch of {x.shape[0]} samples does not split over {split} data-parallel "
+            raise MeshError(f"a batch of {x.shape[0]} samples does not split over {split} data-parallel "
                              f"shards (mesh axes {axes}); use a multiple of {split}")
         return NamedSharding(mesh, PartitionSpec(axes, *([None] * (x.ndim - 1))))
     return jax.tree.map(one, batch)

@@ -10,15 +10,37 @@ An abort or pause takes effect between batches: a batch in flight finishes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
+from opd_jax.core import token_logprobs
 from opd_jax.sampling.engine import Sampler
 from rollout_bridge.protocol import EngineError, WeightUpdate
 from rollout_bridge.records import Completion, Request, Rollout
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logprobs(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+    logits = nnx.merge(graphdef, state)(tokens, attention_mask=mask)
+    return token_logprobs(logits, tokens)[0]
+
+
+def _score(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequence[int]], pad_id: int
+           ) -> list[list[float]]:
+    length = max(len(s) for s in sequences)
+    length = 16 * -(-length // 16)  # a few compiled shapes
+    tokens = np.full((len(sequences), length), pad_id, np.int32)
+    mask = np.zeros((len(sequences), length), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 1
+    logp = np.asarray(_logprobs(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask)))
+    return [logp[i, 1:len(s)].tolist() for i, s in enumerate(sequences)]
 
 
 class EmbeddedEngine:
@@ -78,8 +100,22 @@ class EmbeddedEngine:
         async with self._lock:
             self.sampler.update_weights(update.model(), update.version)
 
+    async def start(self) -> None:
+        pass
+
     async def health(self) -> bool:
         return True
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token_i | tokens before it) for every token after the first of each sequence,
+        under the served weights (untempered), as SGLang's prompt log-probs."""
+        self._ensure()
+        async with self._lock:
+            graphdef, state = self.sampler.graphdef, self.sampler.state
+        return await asyncio.to_thread(_score, graphdef, state, sequences, self.sampler.pad_id)
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> None:
         self._aborted.update(request_ids or ())

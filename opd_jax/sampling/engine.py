@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from opd_jax.errors import OpdJaxError
 from opd_jax.models.decoder import Decoder, KVCache
 from opd_jax.sampling.ops import sample_tokens
 from rollout_bridge.records import Rollout, SamplingParams
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(OpdJaxError, ValueError):
     """A prompt that does not fit the engine's KV cache together with its max_new_tokens."""
 
 

@@ -1,6 +1,18 @@
-"""The imperative shell: the training loop, its checkpoints, metrics and evaluation."""
+"""The imperative shell: THE run loop (`run`, driven by a `Task`), PPO as its task (`train`),
+the supervised warm start, checkpoints, metrics, evaluation and the rollout engines.
 
+This is train's public API: the shells above it (`opd_jax.merge`, sweeps, recipes) import from
+here and nowhere deeper."""
+
+from opd_jax.train.build import build_critic, build_model
+from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.engines import sglang_engine
 from opd_jax.train.errors import RunError
-from opd_jax.train.loop import train
+from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
+from opd_jax.train.loop import PPOTask, memory_report, train
+from opd_jax.train.metrics import read_metrics
+from opd_jax.train.runner import Task, run
+from opd_jax.train.sft import warm_start
 
-__all__ = ["RunError", "train"]
+__all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
+           "held_out_evaluator", "memory_report", "read_metrics", "run", "sglang_engine", "train", "warm_start"]

@@ -1,6 +1,6 @@
 """Rollouts from any engine into the trainer's RolloutBatch: prompt + response right-padded,
-engine log-probs aligned with the tokens they score, rewards from the verifiers, and the
-configured treatment of responses cut at max_new_tokens."""
+engine log-probs aligned with the tokens they score, the rewards of the decoded responses, and
+the configured treatment of responses cut at max_new_tokens."""
 
 from __future__ import annotations
 
@@ -12,46 +12,19 @@ import numpy as np
 
 from opd_jax.core import RolloutBatch
 from opd_jax.data import Example
-from opd_jax.data.domains import DOMAINS
 from opd_jax.models import Tokenizer
-from opd_jax.rewards import VERIFIERS, RewardFn
+from opd_jax.rewards import RewardFn, compute_rewards
 from rollout_bridge.records import Rollout
-
-
-class RewardError(ValueError):
-    """A reward that cannot be trained on; names the sample and its domain."""
 
 
 def response_text(tokenizer: Tokenizer, rollout: Rollout) -> str:
     return tokenizer.decode(list(rollout.output_ids), skip_special_tokens=True)
 
 
-def score_rollouts(rollouts: Sequence[Rollout], examples: Sequence[Example], tokenizer: Tokenizer,
-                   reward_fn: RewardFn | None = None) -> np.ndarray:
-    """One reward per rollout: the user's reward_fn(prompt, response, answer, domain) when given,
-    else the verifier of the example's domain (exact match for domains not built in, numeric when
-    the answer is a number). A NaN/inf reward raises RewardError naming the sample and domain."""
-    rewards = np.zeros(len(rollouts), np.float64)
-    for i, (rollout, example) in enumerate(zip(rollouts, examples, strict=True)):
-        text = response_text(tokenizer, rollout)
-        if reward_fn is not None:
-            value = float(reward_fn(example.prompt or "", text, example.answer, example.domain))
-        else:
-            value = VERIFIERS[_verifier(example)](text, example.answer)
-        if not math.isfinite(value):
-            raise RewardError(f"reward of sample {i} (domain {example.domain!r}, prompt {example.uid}) is {value}")
-        rewards[i] = value
-    return rewards
-
-
-def _verifier(example: Example) -> str:
-    if example.domain in DOMAINS:
-        return DOMAINS[example.domain].verifier
-    try:
-        float(example.answer)
-        return "numeric"
-    except ValueError:
-        return "exact"
+def rollout_rewards(rollouts: Sequence[Rollout], examples: Sequence[Example], tokenizer: Tokenizer,
+                    reward_fn: RewardFn | None = None) -> np.ndarray:
+    """The reward of each rollout's decoded response (`opd_jax.rewards.compute_rewards`)."""
+    return compute_rewards([response_text(tokenizer, r) for r in rollouts], examples, reward_fn)
 
 
 def batch_length(lengths: Sequence[int], multiple: int = 32) -> int:

@@ -13,11 +13,8 @@ from opd_jax.config import ModelSection, TrainConfig
 from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
+from opd_jax.models.config import ModelFormatError, family_defaults
 from opd_jax.models.weights import build_from_params
-
-
-def build_policy(config: TrainConfig) -> tuple[Decoder, Tokenizer]:
-    return build_model(config.model)
 
 
 def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
@@ -28,15 +25,15 @@ def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
         model_config = ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, hidden_size=f.hidden_size,
                                    intermediate_size=f.intermediate_size, num_layers=f.num_layers,
                                    num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
-                                   max_position_embeddings=f.max_position_embeddings, qk_norm=f.family == "qwen3",
-                                   qkv_bias=f.family == "qwen2", eos_token_ids=(tokenizer.eos_token_id,))
+                                   max_position_embeddings=f.max_position_embeddings, eos_token_ids=(tokenizer.eos_token_id,),
+                                   **family_defaults(f.family))
         policy = Decoder(model_config, param_dtype=jnp.dtype(section.dtype), compute_dtype=section.compute_dtype,
                          rngs=nnx.Rngs(f.seed))
         return policy, tokenizer
     policy, tokenizer = load_model(resolve_model_path(section.path), dtype=section.dtype,
                                    compute_dtype=section.compute_dtype)
     if tokenizer is None:
-        raise ValueError(f"model.path {section.path!r} has no tokenizer; a run needs one to read prompts")
+        raise ModelFormatError(f"model.path {section.path!r} has no tokenizer; a run needs one to read prompts")
     return policy, tokenizer
 
 

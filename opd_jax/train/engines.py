@@ -1,14 +1,18 @@
 """The rollout engine a config asks for, behind rollout_bridge's protocol: the embedded sampler,
-or SGLang servers (running ones, or ones launched and supervised here). Also the weight update
-the loop hands to whichever it is."""
+or SGLang servers (running ones, or ones launched and supervised here). SGLang clients are built
+from a config section in one place (`sglang_engine`), for the policy's rollouts and for the
+merge's teachers alike. Also the weight update the loop hands to whichever engine it is."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from flax import nnx
 
 from opd_jax.config import RolloutSection
+from opd_jax.config.schema import SGLangClientSection
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, save_model
 from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.train.build import engine_model
@@ -27,55 +31,40 @@ def weight_update(rollout: RolloutSection, model_config: ModelConfig, params: nn
     return WeightUpdate(version, model=model, save_hf=lambda directory: save_model(model(), directory, tokenizer))
 
 
+def sglang_engine(section: SGLangClientSection, urls: Sequence[str], *, model_dir: Path | None, log_dir: Path,
+                  **options: Any) -> EngineThread:
+    """An SGLang client (not started: call `.start()`) of the servers at `urls`, or of servers it
+    launches on `model_dir` as `section.launch` says (logs in `log_dir`); `options` are the
+    engine's own (stream, refit, ...)."""
+    servers = None
+    if section.launch is not None:
+        launch = section.launch
+        servers = ServerGroup(LaunchSpec(tuple(launch.command), launch.num_servers, launch.host, tuple(launch.ports),
+                                         tuple(launch.env.items()), launch.startup_timeout_s, log_dir), model_dir)
+    return EngineThread(SGLangEngine(urls, servers=servers, request_timeout_s=section.request_timeout_s,
+                                     max_retries=section.max_retries, max_concurrency=section.max_concurrency,
+                                     **options))
+
+
 def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max_cache_len: int, pad_id: int,
                 refit_dir: Path) -> EngineThread:
-    """An engine serving `update` (the policy the run starts from)."""
+    """A started engine serving `update` (the policy the run starts from)."""
     if rollout.engine == "embedded":
         sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version)
         return EngineThread(EmbeddedEngine(sampler, seed=seed))
-    options = rollout.sglang
-    servers = None
-    thread: EngineThread | None = None
+    section = rollout.sglang
+    initial = None
+    if section.launch is not None:
+        initial = (refit_dir / f"v{update.version}").resolve()
+        update.save_hf(initial)
+    thread = sglang_engine(section, section.urls, model_dir=initial, log_dir=refit_dir.parent / "sglang_logs",
+                           stream=section.stream, refit=section.refit, refit_dir=refit_dir,
+                           interrupted=rollout.interrupted, weight_version=update.version)
     try:
-        if rollout.launch is not None:
-            launch = rollout.launch
-            initial = (refit_dir / f"v{update.version}").resolve()
-            update.save_hf(initial)
-            servers = ServerGroup(LaunchSpec(tuple(launch.command), launch.num_servers, launch.host,
-                                             tuple(launch.ports), tuple(launch.env.items()), launch.startup_timeout_s,
-                                             refit_dir.parent / "sglang_logs"), initial)
-        engine = SGLangEngine(rollout.urls, servers=servers, stream=options.stream,
-                              request_timeout_s=options.request_timeout_s, max_retries=options.max_retries,
-                              max_concurrency=options.max_concurrency, refit=options.refit, refit_dir=refit_dir,
-                              interrupted=rollout.interrupted, weight_version=update.version)
-        thread = EngineThread(engine)
-        if servers is not None:
-            thread.run(servers.start())
-        else:  # servers someone else started: make them serve this run's policy
+        thread.start().result()
+        if section.launch is None:  # servers someone else started: make them serve this run's policy
             thread.update_weights(update)
         return thread
     except BaseException:
-        if thread is not None:
-            close_engine(thread)
-        raise
-
-
-def close_engine(thread: EngineThread) -> None:
-    servers = getattr(thread.engine, "servers", None)
-    try:
-        if servers is not None:
-            thread.run(servers.close(), timeout=120)
-    finally:
         thread.close()
-
-
-def engine_metrics(thread: EngineThread) -> dict[str, float]:
-    stats = getattr(thread.engine, "stats", None)
-    if stats is None:
-        return {}
-    servers = getattr(thread.engine, "servers", None)
-    out = {"rollout/retries": float(stats.retries), "rollout/interrupted": float(stats.interrupted),
-           "rollout/failed_requests": float(stats.failures), "rollout/refit_s_total": stats.refit_s}
-    if servers is not None:
-        out["rollout/server_crashes"] = float(servers.crashes())
-    return out
+        raise

@@ -12,9 +12,9 @@ from flax import nnx
 from opd_jax.config import DataSection, RolloutSection
 from opd_jax.data import Example, eval_prompts
 from opd_jax.models import Decoder, Tokenizer
-from opd_jax.rewards import RewardFn, load_reward_fn
+from opd_jax.rewards import RewardError, RewardFn, load_reward_fn
 from opd_jax.sampling import EmbeddedEngine, Sampler
-from opd_jax.train.batching import RewardError, score_rollouts
+from opd_jax.train.batching import rollout_rewards
 from opd_jax.train.build import encode_prompt, engine_model, stop_ids
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
@@ -33,7 +33,7 @@ def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Seq
         failed = [c for c in completions if isinstance(c, Failure)]
         if failed:
             raise RewardError(f"{len(failed)} held-out {domain} requests failed; first: {failed[0].error}")
-        out[f"eval/{domain}/accuracy"] = float(np.mean(score_rollouts(completions, examples, tokenizer, reward_fn)))
+        out[f"eval/{domain}/accuracy"] = float(np.mean(rollout_rewards(completions, examples, tokenizer, reward_fn)))
     out["eval/accuracy"] = float(np.mean(list(out.values()))) if out else 0.0
     return out
 

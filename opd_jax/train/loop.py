@@ -1,38 +1,27 @@
-"""`opd-jax train`: the RL loop. Per step: prompts from the grain stream, G samples each through
-the rollout engine, verifier rewards, θ_old log-probs and values recomputed on the trainer, the
-PPO step (IcePop by default), the new weights pushed to the engine; held-out accuracy every
-`eval_every` steps; checkpoints every `checkpoint.every` steps and at the end."""
+"""`opd-jax train`: PPO as a task of the one run loop (`opd_jax.train.runner`). Per step: prompts
+from the grain stream, G samples each through the rollout engine, verifier rewards, θ_old
+log-probs and values recomputed on the trainer, the PPO step (IcePop by default), the new weights
+pushed to the engine; held-out accuracy every `eval_every` steps; checkpoints every
+`checkpoint.every` steps and at the end."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import resource
 from pathlib import Path
+from typing import Any
 
 import jax
 
-from opd_jax.config import TrainConfig, save_config
+from opd_jax.config import TrainConfig, scoring_temperature
 from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch
 from opd_jax.models import save_model
-from opd_jax.parallel import (
-    batch_shardings,
-    initialize_distributed,
-    make_mesh,
-    shard,
-    sharded_scoring,
-    sharded_step,
-    tree_shardings,
-)
-from opd_jax.train.build import build_critic, build_policy
-from opd_jax.train.checkpoint import Checkpoints
-from opd_jax.train.errors import RunError
-from opd_jax.train.metrics import MetricsLog, plot_curves
-from opd_jax.train.rollouts import RolloutSession
+from opd_jax.train.build import build_critic, build_model
+from opd_jax.train.runner import run
 from opd_jax.train.sft import warm_start
 
-__all__ = ["RunError", "memory_report", "train"]
+__all__ = ["PPOTask", "memory_report", "train"]
 
 
 def memory_report(state: PPOState) -> dict[str, float]:
@@ -44,72 +33,54 @@ def memory_report(state: PPOState) -> dict[str, float]:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+class PPOTask:
+    """PPO with a learned critic (or the GRPO baseline): the policy from the model section (and
+    the supervised warm start on a new run), the critic on its backbone, `ppo_step`."""
+
+    nonfinite_inputs = "log-probs or values"
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.data = config.data
+        temperature = scoring_temperature(config.rollout)
+        self.scoring_fn = functools.partial(score_batch, temperature=temperature)
+        self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
+                                         group_size=config.rollout.samples_per_prompt, temperature=temperature)
+
+    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> None:
+        self.policy, self.tokenizer = build_model(self.config.model)
+        if not resuming and self.config.sft.steps:
+            self.policy = warm_start(self.policy, self.tokenizer, self.config, run_dir / "sft_metrics.jsonl")
+
+    def create_state(self) -> PPOState:
+        algorithm = self.config.algorithm
+        return PPOState.create(self.policy, build_critic(self.policy, self.config),
+                               make_optimizer(algorithm.policy_optimizer), make_optimizer(algorithm.critic_optimizer))
+
+    def policy_params(self, state: PPOState):
+        return state.policy
+
+    def extra_inputs(self, batch, rollouts) -> dict[str, Any]:
+        return {}
+
+    def step_input(self, scored, extra: dict[str, Any]):
+        return scored
+
+    def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
+        return metrics
+
+    def finish(self, state: PPOState, run_dir: Path, phases: dict[str, float]) -> None:
+        with (run_dir / "memory.json").open("w") as f:
+            json.dump(memory_report(state), f)
+        if self.config.checkpoint.export_hf:
+            save_model(state.policy_model(), run_dir / "hf_policy", self.tokenizer)
+
+    def close(self) -> None:
+        pass
+
+
 def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None = None) -> Path:
     """Run (or, with resume, continue) the configured training; returns the run directory.
     stop_after: end after that step as if killed (checkpoints as configured), for tests."""
-    run_dir = Path(config.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    initialize_distributed(config.distributed)
-    checkpoints, start = Checkpoints.for_run(run_dir, config.checkpoint.keep, resume)
-    save_config(config, run_dir / "config.yaml")
-
-    policy, tokenizer = build_policy(config)
-    if start is None and config.sft.steps:
-        policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
-    critic = build_critic(policy, config)
-    # the trainer scores what the engine sampled: softmax(logits / T) (greedy engines report T = 1)
-    temperature = config.rollout.temperature or 1.0
-    ppo_config = dataclasses.replace(config.algorithm.ppo, group_size=config.rollout.samples_per_prompt,
-                                     temperature=temperature)
-    state = PPOState.create(policy, critic, make_optimizer(config.algorithm.policy_optimizer),
-                            make_optimizer(config.algorithm.critic_optimizer))
-    meta = None
-    if start is not None:
-        state, meta = checkpoints.restore(start, state)
-    mesh = make_mesh(config.mesh)
-    state = shard(state, tree_shardings(state, mesh))
-    try:
-        session = RolloutSession(rollout=config.rollout, data=config.data, seed=config.seed, policy=policy,
-                                 params=state.policy, tokenizer=tokenizer, run_dir=run_dir, version=start or 0,
-                                 resume=meta)
-    except BaseException:
-        checkpoints.close()
-        raise
-
-    log = MetricsLog(run_dir, config.steps, start or 0, tensorboard=config.logging.tensorboard,
-                     progress_bar=config.logging.progress_bar)
-    step_fn = score_fn = None
-    try:
-        if start is None and config.logging.eval_at_start:
-            log.log(0, session.evaluate(0), advance=False)
-        for step in range(start or 0, config.steps):
-            batch, _, metrics = session.next_batch(step, policy.config.vocab_size)
-            if step_fn is None:
-                score_fn = sharded_scoring(functools.partial(score_batch, temperature=temperature), state, batch, mesh)
-                step_fn = sharded_step(functools.partial(ppo_step, config=ppo_config), state,
-                                       jax.eval_shape(score_batch, state, batch), mesh)
-            scored = score_fn(state, shard(batch, batch_shardings(batch, mesh)))
-            state, step_metrics = step_fn(state, scored)
-            metrics.update({k: float(v) for k, v in step_metrics.items()})
-            if metrics["nonfinite_inputs"]:
-                raise RunError(f"step {step + 1}: {int(metrics['nonfinite_inputs'])} non-finite log-probs or values")
-            metrics.update(session.refit(state.policy, step + 1))
-            done = step + 1
-            if done % config.logging.eval_every == 0 or done == config.steps:
-                metrics.update(session.evaluate(done))
-            log.log(done, metrics)
-            if done % config.checkpoint.every == 0 or done == config.steps:
-                checkpoints.save(done, state, session.state())
-            if stop_after is not None and done >= stop_after:
-                return run_dir
-    finally:
-        log.close()
-        checkpoints.close()
-        session.close()
-    with (run_dir / "memory.json").open("w") as f:
-        json.dump(memory_report(state), f)
-    if config.checkpoint.export_hf and jax.process_index() == 0:
-        save_model(state.policy_model(), run_dir / "hf_policy", tokenizer)
-    if config.logging.plot and jax.process_index() == 0:
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    run_dir, _ = run(config, PPOTask(config), resume=resume, stop_after=stop_after)
     return run_dir

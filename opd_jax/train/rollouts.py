@@ -19,10 +19,10 @@ from opd_jax.config import DataSection, RolloutSection
 from opd_jax.core import RolloutBatch, validate_batch
 from opd_jax.data import Example, eval_prompts, take, train_prompts
 from opd_jax.models import Decoder, Tokenizer
-from opd_jax.rewards import load_reward_fn
-from opd_jax.train.batching import RewardError, rollouts_to_batch, score_rollouts
+from opd_jax.rewards import RewardError, load_reward_fn
+from opd_jax.train.batching import rollout_rewards, rollouts_to_batch
 from opd_jax.train.build import encode_prompt, stop_ids
-from opd_jax.train.engines import close_engine, engine_metrics, make_engine, weight_update
+from opd_jax.train.engines import make_engine, weight_update
 from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import evaluate
 from rollout_bridge.pipe import PipeError, RolloutPipe
@@ -91,7 +91,7 @@ class RolloutSession:
         wait = time.perf_counter() - began
         rollouts = [r for g in groups for r in g]
         try:
-            rewards = score_rollouts(rollouts, [r.metadata["example"] for r in rollouts], self.tokenizer,
+            rewards = rollout_rewards(rollouts, [r.metadata["example"] for r in rollouts], self.tokenizer,
                                      self.reward_fn)
         except RewardError as e:
             raise RunError(f"step {step + 1}: {e}") from None
@@ -112,7 +112,7 @@ class RolloutSession:
         except EngineError as e:
             raise RunError(f"step {version}: weight refit failed: {e}") from None
         return {"rollout/refit_s": time.perf_counter() - began, **self.pipe.stats.take(),
-                **engine_metrics(self.engine)}
+                **{f"rollout/{k}": v for k, v in self.engine.metrics().items()}}
 
     def evaluate(self, at_step: int) -> dict[str, float]:
         """Held-out accuracy per domain of the weights the engine serves now (greedy)."""
@@ -124,4 +124,4 @@ class RolloutSession:
             raise RunError(f"evaluation at step {at_step}: {e}") from None
 
     def close(self) -> None:
-        close_engine(self.engine)
+        self.engine.close()

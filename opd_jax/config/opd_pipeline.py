@@ -13,18 +13,16 @@ from opd_jax.config.schema import (
     CheckpointSection,
     DataSection,
     DType,
-    LaunchSection,
     LoggingSection,
     ModelSection,
     RolloutSection,
     Section,
     SFTSection,
-    SGLangOptions,
+    SGLangClientSection,
     SourceSpec,
     TrainConfig,
 )
-from opd_jax.core import OptimizerConfig
-from opd_jax.core.opd_step import OPDConfig
+from opd_jax.core import OPDConfig, OptimizerConfig
 from opd_jax.parallel import DistributedConfig, MeshConfig
 
 
@@ -33,18 +31,22 @@ class BaseSection(Section):
     on the mix of every expert's prompts (0: the model as it is)."""
 
     model: ModelSection = ModelSection(fresh={})
+    """The base model."""
     sft: SFTSection = SFTSection()
+    """Its supervised warm start on every expert's prompts."""
 
 
 class JobsSection(Section):
     """How the experts are run. jobs = 1: one after another in this process. jobs > 1: that many
-    at once, each in its own process (the base first); with devices_per_job set, job i sees
-    devices [i·d, (i+1)·d) of this host through `device_env` (CUDA_VISIBLE_DEVICES on GPUs,
-    TPU_VISIBLE_CHIPS on TPUs). On separate hosts run `opd-jax experts CONFIG --only NAME`."""
+    at once, each in its own process (the base first). On separate hosts run `opd-jax experts
+    CONFIG --only NAME`."""
 
     jobs: int = Field(1, gt=0)
+    """Experts trained at once, each in its own process (1: one after another in this one)."""
     devices_per_job: int | None = Field(None, gt=0)
+    """Devices each job sees: job i gets devices [i·d, (i+1)·d) through device_env; unset: all."""
     device_env: str = "CUDA_VISIBLE_DEVICES"
+    """The variable that hands a job its devices (TPU_VISIBLE_CHIPS on TPUs)."""
 
 
 class ExpertsConfig(Section):
@@ -54,10 +56,15 @@ class ExpertsConfig(Section):
     per expert (the base; the expert's sources; run_dir/experts/NAME)."""
 
     run_dir: str = "runs/experts"
+    """Where the base and the experts go."""
     base: BaseSection = BaseSection()
+    """The shared base."""
     expert: TrainConfig = TrainConfig()
+    """The training config every expert shares (its model, data.train and run_dir are set per expert)."""
     experts: dict[str, list[SourceSpec]] = Field(min_length=1)
+    """Expert name → its prompt sources."""
     launch: JobsSection = JobsSection()
+    """How the expert jobs are run."""
 
     @model_validator(mode="after")
     def _names(self) -> ExpertsConfig:
@@ -69,28 +76,38 @@ class ExpertsConfig(Section):
         return self
 
 
+class TeacherServersSection(SGLangClientSection):
+    """SGLang teachers: one server group per teacher, launched here on its model or running."""
+
+    urls: dict[str, list[str]] = {}
+    """Teacher name → its running servers (exclusive with launch)."""
+
+
 class TeachersSection(Section):
     """The teachers, one per expert; a prompt goes to the teacher whose expert trained on its
-    domain. `paths` (expert name → model) replaces the experts of `experts_dir`; then `domains`
-    (expert name → the domains it covers) defaults to the expert's name. engine 'local': JAX
-    models on the trainer's mesh (parameters sharded; each teacher scores only its own rows).
-    engine 'sglang': one server group per teacher, `launch`ed here on its model or running at
-    `urls[name]`; they score the student's tokens through the bridge (loss 'sampled' only)."""
+    domain. engine 'local': JAX models on the trainer's mesh (parameters sharded; each teacher
+    scores only its own rows). engine 'sglang': SGLang servers that score the student's tokens
+    through the bridge (loss 'sampled' only)."""
 
     engine: Literal["local", "sglang"] = "local"
+    """local: JAX models on the trainer's mesh; sglang: SGLang servers (see teachers.sglang)."""
     paths: dict[str, str] = {}
+    """Expert name → model, replacing the experts of experts_dir."""
     domains: dict[str, list[str]] = {}
+    """Expert name → the domains it covers (default: its name)."""
     dtype: DType = "float32"
-    launch: LaunchSection | None = None
-    urls: dict[str, list[str]] = {}
-    sglang: SGLangOptions = SGLangOptions()
+    """Precision of local teachers."""
+    sglang: TeacherServersSection = TeacherServersSection()
+    """SGLang teacher servers (engine sglang only)."""
 
     @model_validator(mode="after")
     def _engine_settings(self) -> TeachersSection:
-        if self.engine == "sglang" and bool(self.urls) == (self.launch is not None):
-            raise ValueError("teachers.engine 'sglang' needs exactly one of teachers.urls and teachers.launch")
-        if self.engine == "local" and (self.urls or self.launch is not None):
-            raise ValueError("teachers.urls / teachers.launch are for teachers.engine 'sglang'")
+        servers = self.sglang
+        if self.engine == "sglang" and bool(servers.urls) == (servers.launch is not None):
+            raise ValueError("teachers.engine 'sglang' needs exactly one of teachers.sglang.urls and "
+                             "teachers.sglang.launch")
+        if self.engine == "local" and (servers.urls or servers.launch is not None):
+            raise ValueError("teachers.sglang.urls / teachers.sglang.launch are for teachers.engine 'sglang'")
         unknown = sorted(set(self.domains) - set(self.paths)) if self.paths else []
         if unknown:
             raise ValueError(f"teachers.domains names teachers without a path: {', '.join(unknown)}")
@@ -99,47 +116,66 @@ class TeachersSection(Section):
 
 class BaselinesSection(Section):
     """What the merged student is judged against: the experts' parameters averaged, and task
-    arithmetic θ_base + λ·Σ_k (θ_k − θ_base) with λ picked from `task_arithmetic_scales` by the
-    mean accuracy on validation prompts (drawn apart from the held-out ones)."""
+    arithmetic θ_base + λ·Σ_k (θ_k − θ_base) with λ picked by the mean accuracy on validation
+    prompts (drawn apart from the held-out ones)."""
 
     weight_average: bool = True
+    """Evaluate the experts' parameters averaged."""
     task_arithmetic: bool = True
+    """Evaluate task arithmetic."""
     task_arithmetic_scales: list[float] = Field([0.1, 0.2, 0.3, 0.5, 0.75, 1.0], min_length=1)
+    """The λ values task arithmetic chooses from."""
     validation_prompts_per_domain: int = Field(32, gt=0)
+    """Prompts per domain that choose λ (apart from the held-out ones)."""
 
 
 class MergeDataSection(DataSection):
     """The training data section, except that `train` defaults to the experts' own sources."""
 
     train: list[SourceSpec] = []
+    """The prompt sources; empty: the experts' own, weighted by mix."""
 
 
 class MergeLoggingSection(LoggingSection):
     run_dir: str = "runs/merge"
+    """The merge's run directory: config, metrics, checkpoints, student/, report."""
 
 
 class MergeConfig(Section):
     """`opd-jax merge`: the student (the experts' base unless `student` says otherwise) samples
     on the mix of the experts' prompts; each prompt's domain routes it to its teacher; the OPD
-    step (`opd`) trains the student. `experts_dir` is an `opd-jax experts` run directory: its base,
-    experts and prompt sources are the defaults for `student`, `teachers.paths` and `data.train`.
-    `mix` (expert name → share) weights the experts' sources when data.train is not given."""
+    step (`opd`) trains the student."""
 
     experts_dir: str | None = None
+    """An `opd-jax experts` run directory: its base, experts and sources are the defaults."""
     steps: int = Field(200, gt=0)
+    """Training steps."""
     seed: int = 0
+    """Seed of sampling."""
     student: ModelSection | None = None
+    """The student's starting model; unset: the experts' base."""
     teachers: TeachersSection = TeachersSection()
+    """The teachers and how they score."""
     mix: dict[str, float] = {}
+    """Expert name → its share of the prompt mix (when data.train is not given)."""
     mesh: MeshConfig = MeshConfig()
+    """The device mesh."""
     distributed: DistributedConfig = DistributedConfig()
+    """Multi-host start-up."""
     rollout: RolloutSection = RolloutSection()
+    """The student's rollout engine and sampling."""
     opd: OPDConfig = OPDConfig()
+    """The OPD step."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+    """The student's optimizer."""
     data: MergeDataSection = MergeDataSection()
+    """The prompts."""
     baselines: BaselinesSection = BaselinesSection()
+    """The weight-space baselines in the report."""
     checkpoint: CheckpointSection = CheckpointSection()
+    """Checkpoints."""
     logging: MergeLoggingSection = MergeLoggingSection()
+    """The run directory, evaluation and logs."""
 
     @model_validator(mode="after")
     def _sources(self) -> MergeConfig:
@@ -158,4 +194,9 @@ class MergeConfig(Section):
         if self.teachers.engine == "sglang" and self.rollout.temperature not in (0.0, 1.0):
             raise ValueError("SGLang teachers score at temperature 1 (prompt log-probs are not tempered): "
                              "set rollout.temperature to 1 (or 0, greedy)")
+        group = self.rollout.samples_per_prompt
+        try:
+            self.opd.check_batch_size(self.data.prompts_per_step * group, group)
+        except ValueError as e:
+            raise ValueError(f"data.prompts_per_step × rollout.samples_per_prompt: {e} (opd.update)") from None
         return self

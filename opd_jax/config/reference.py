@@ -1,0 +1,138 @@
+"""The config reference, made from the schema itself: every key with its type, default and the
+one-line description written beside the field (an attribute docstring, which pydantic reads).
+`opd-jax config explain KEY` prints one key or section; `docs/config.md` is the whole reference
+(`python -m opd_jax.config.reference` writes it; a test checks it is current)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from typing import Any
+
+import pydantic
+
+from opd_jax.config.load import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    key: str  # dotted; "[]" marks the items of a list, "<name>" the values of a mapping
+    type: str
+    default: Any
+    description: str | None
+    section: bool  # a group of keys rather than a value
+
+
+def _deref(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[1]]
+        return {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+    return node
+
+
+def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
+    if "$ref" in node:
+        return node["$ref"].rsplit("/", 1)[1]
+    if "enum" in node:
+        return " | ".join(json.dumps(v) for v in node["enum"])
+    if "const" in node:
+        return json.dumps(node["const"])
+    if "anyOf" in node:
+        return " | ".join(_type(option, defs) for option in node["anyOf"])
+    kind = node.get("type", "any")
+    if kind == "array":
+        return f"list[{_type(node.get('items', {}), defs)}]"
+    if kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        return f"dict[str, {_type(node['additionalProperties'], defs)}]"
+    return {"number": "float", "integer": "int", "boolean": "bool", "string": "str"}.get(kind, kind)
+
+
+def _children(node: dict[str, Any], defs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The keys below a field: a section's own fields, or those of its list items / mapping
+    values / non-null option."""
+    node = _deref(node, defs)
+    if "properties" in node:
+        return [(name, sub) for name, sub in node["properties"].items()]
+    for option in node.get("anyOf", ()):
+        if option.get("type") != "null":
+            found = _children(option, defs)
+            if found:
+                return found
+    if node.get("type") == "array":
+        return [(f"[].{name}", sub) for name, sub in _children(node.get("items", {}), defs)]
+    if isinstance(node.get("additionalProperties"), dict):
+        return [(f"<name>.{name}", sub) for name, sub in _children(node["additionalProperties"], defs)]
+    return []
+
+
+def key_docs(schema: type[pydantic.BaseModel]) -> list[KeyDoc]:
+    """Every key of `schema`, depth first, in declaration order."""
+    root = schema.model_json_schema()
+    defs = root.get("$defs", {})
+    out: list[KeyDoc] = []
+
+    def walk(prefix: str, node: dict[str, Any]) -> None:
+        for name, sub in _children(node, defs):
+            key = f"{prefix}{name}".replace(".[]", "[]")
+            children = _children(sub, defs)
+            description = sub.get("description") or _deref(sub, defs).get("description")
+            out.append(KeyDoc(key, _type(sub, defs), sub.get("default"), description, bool(children)))
+            if children:
+                walk(f"{key}.", sub)
+
+    walk("", root)
+    return out
+
+
+def _default(value: Any) -> str:
+    if isinstance(value, (dict, list)) and len(json.dumps(value)) > 60:
+        return "(see its keys)" if isinstance(value, dict) else f"{len(value)} entries"
+    return json.dumps(value)
+
+
+def explain(schema: type[pydantic.BaseModel], key: str) -> str:
+    """A key's type, default and description (a section: each key under it)."""
+    docs = key_docs(schema)
+    wanted = key.strip(".")
+    hits = [d for d in docs if d.key == wanted or d.key.startswith(wanted + ".") or d.key.startswith(wanted + "[]")]
+    if not hits:
+        near = difflib.get_close_matches(wanted, [d.key for d in docs], n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"{wanted}: no such key in the {schema.__name__} config{hint}")
+    lines = []
+    for d in hits:
+        if d.section:
+            lines.append(f"{d.key}  [section {d.type}]\n    {d.description or ''}")
+        else:
+            lines.append(f"{d.key}: {d.type} = {_default(d.default)}\n    {d.description or ''}")
+    return "\n".join(lines)
+
+
+def reference_markdown(schemas: dict[str, type[pydantic.BaseModel]]) -> str:
+    """docs/config.md: one table per command's config."""
+    parts = ["# Config reference\n",
+             "Every key of every command's config: its type, its default and what it does. Generated from the",
+             "schema by `python -m opd_jax.config.reference > docs/config.md` (a test checks it is current);",
+             "`opd-jax config explain KEY` prints one key, `opd-jax config show CONFIG` a resolved config.\n"]
+    for command, schema in schemas.items():
+        parts.append(f"## `opd-jax {command}` ({schema.__name__})\n")
+        parts.append("| key | type | default | what it does |")
+        parts.append("| --- | --- | --- | --- |")
+        for d in key_docs(schema):
+            default = "" if d.section else f"`{_default(d.default)}`"
+            kind = (f"section `{d.type}`" if d.section else f"`{d.type}`").replace("|", "\\|")
+            text = (d.description or "").replace("|", "\\|").replace("\n", " ")
+            parts.append(f"| `{d.key}` | {kind} | {default} | {text} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def command_schemas() -> dict[str, type[pydantic.BaseModel]]:
+    from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig
+    from opd_jax.config.schema import TrainConfig
+    return {"train": TrainConfig, "experts": ExpertsConfig, "merge": MergeConfig}
+
+
+if __name__ == "__main__":
+    print(reference_markdown(command_schemas()), end="")

@@ -1,0 +1,104 @@
+"""The CLI speaks to people: each user error is one `error: ...` line naming the problem, exit
+status 2 and no traceback; --debug shows the traceback; a real bug keeps its traceback."""
+
+import sys
+
+import pytest
+from flax import nnx
+from train_loop_settings import TINY
+from typer.testing import CliRunner
+
+import opd_jax.train
+from opd_jax.cli import app
+from opd_jax.errors import OpdJaxError
+from opd_jax.models import Decoder, ModelConfig, save_model
+from opd_jax.models.char_tokenizer import char_tokenizer
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "1000"})
+
+
+def assert_user_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines and lines[0].startswith("error: "), result.output
+    for needle in needles:
+        assert needle in result.output, (needle, result.output)
+
+
+def test_bad_config_value_and_unknown_key(tmp_path):
+    assert_user_error(run_cli("train", "rollout.temperature=hot"), "rollout.temperature: Input should be a valid number")
+    assert_user_error(run_cli("train", "algorithm.ppo.epz=1"), "algorithm.ppo.epz: unknown key")
+    assert_user_error(run_cli("train", tmp_path / "missing.yaml"), "no such config file")
+    assert_user_error(run_cli("train", "data.prompts_per_step=3", "rollout.samples_per_prompt=1",
+                                      "algorithm.ppo.update.minibatches=2"),
+                      "does not split into 2 mini-batches")
+
+
+def test_missing_model(tmp_path):
+    missing = tmp_path / "no_such_model"
+    assert_user_error(run_cli("train", *TINY, f"model.path={missing}", "model.fresh=null",
+                              f"logging.run_dir={tmp_path / 'run'}"), str(missing), "no such file or directory")
+    assert_user_error(run_cli("generate", missing, "-p", "hi"), "no such file or directory")
+
+
+def test_bad_mesh_size(tmp_path):
+    assert_user_error(run_cli("train", *TINY, "mesh.data=3", f"logging.run_dir={tmp_path / 'run'}"),
+                      "mesh (data=3", "8 are available")
+    assert_user_error(run_cli("train", *TINY, "data.prompts_per_step=3", "rollout.samples_per_prompt=2",
+                              f"logging.run_dir={tmp_path / 'run2'}"),
+                      "6 rollouts per step", "4 data-parallel shards")
+
+
+def test_bad_data_file(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
+    assert_user_error(run_cli("train", *TINY, f"data.train=[{{jsonl: {data}}}]", "sft.steps=0", "steps=1",
+                              f"logging.run_dir={tmp_path / 'run'}"), f"{data}:2")
+
+
+def test_incompatible_teacher(tmp_path):
+    tokenizer = char_tokenizer()
+    config = ModelConfig(family="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
+                         eos_token_ids=(tokenizer.eos_token_id,))
+    save_model(Decoder(config, rngs=nnx.Rngs(0)), tmp_path / "student", tokenizer)
+    bigger = ModelConfig(**{**config.__dict__, "vocab_size": config.vocab_size + 1})
+    save_model(Decoder(bigger, rngs=nnx.Rngs(1)), tmp_path / "teacher", tokenizer)
+    result = run_cli("merge", "/dev/null", f"student.path={tmp_path / 'student'}",
+                     f"teachers.paths={{max: {tmp_path / 'teacher'}}}", "data.train=[{builtin: max}]",
+                     "mesh.data=-1", f"logging.run_dir={tmp_path / 'merge'}")
+    assert_user_error(result, "teacher 'max' has a vocabulary of")
+
+
+def test_engine_that_will_not_start(tmp_path):
+    crash = tmp_path / "crash.yaml"
+    crash.write_text(f"rollout:\n  engine: sglang\n  sglang:\n    launch:\n      command: [{sys.executable}, -c, "
+                     "'import sys; sys.exit(3)', '{model_path}', '{port}']\n")
+    assert_user_error(run_cli("train", crash, *TINY, "steps=1", f"logging.run_dir={tmp_path / 'run'}"),
+                      "did not start", "exited with code 3")
+
+
+def test_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch):
+    result = run_cli("--debug", "train", "rollout.temperature=hot")
+    assert result.exit_code != 2 and isinstance(result.exception, OpdJaxError)
+
+    def bug(*args, **kwargs):
+        raise KeyError("a bug")
+    monkeypatch.setattr(opd_jax.train, "train", bug)
+    result = run_cli("train", *TINY, f"logging.run_dir={tmp_path / 'run'}")
+    assert isinstance(result.exception, KeyError) and "error: " not in result.output
+
+
+@pytest.mark.parametrize("key,needle", [
+    ("algorithm.ppo.surrogate.eps_high", "clip-higher"),
+    ("rollout.sglang.launch.command", "placeholders"),
+])
+def test_config_explain_and_show(key, needle, tmp_path):
+    result = run_cli("config", "explain", key)
+    assert result.exit_code == 0 and needle in result.output and key in result.output
+    assert_user_error(run_cli("config", "explain", "algorithm.ppo.surogate"), "did you mean algorithm.ppo.surrogate")
+    shown = run_cli("config", "show", "configs/quickstart.yaml", "rollout.samples_per_prompt=8")
+    assert shown.exit_code == 0 and "samples_per_prompt: 8" in shown.output and "eps_high: 0.28" in shown.output
