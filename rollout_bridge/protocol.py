@@ -82,5 +82,5 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None:
-        """Release everything, the servers the engine launched included."""
+        """Release everything, the servers the engine's start() launched included."""
         ...

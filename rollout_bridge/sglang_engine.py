@@ -77,6 +77,7 @@ class SGLangEngine:
         self._pause_epoch = 0
         self._version = weight_version
         self.stats = EngineStats()
+        self._launched = False
 
     @property
     def weight_version(self) -> int:
@@ -304,6 +305,7 @@ class SGLangEngine:
     async def start(self) -> None:
         if self.servers is not None:
             await self.servers.start()
+            self._launched = True  # whoever starts the servers stops them (close)
         if not await self.health():
             raise EngineError(f"no server answered its health check at {', '.join(self.urls)}")
 
@@ -374,5 +376,5 @@ class SGLangEngine:
                 await self._client.aclose()
                 self._client = None
         finally:
-            if self.servers is not None:
+            if self._launched:
                 await self.servers.close()
