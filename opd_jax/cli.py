@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +26,9 @@ _debug = False
 
 def _speaks_plainly(command: Callable) -> Callable:
     """A project error (OpdJaxError: bad config, missing model, bad data, ...) becomes one
-    `error: ...` message on stderr and exit status 2; with --debug, its traceback. Anything else
-    is a bug and keeps its traceback."""
+    `error: ...` message on stderr and exit status 2 (an interrupted run: `stopped: ...` and
+    128 + the signal's number); with --debug, its traceback. A full disk and a second Ctrl-C are
+    one line too. Anything else is a bug and keeps its traceback."""
     @functools.wraps(command)
     def run(*args, **kwargs):
         try:
@@ -33,8 +36,19 @@ def _speaks_plainly(command: Callable) -> Callable:
         except OpdJaxError as e:
             if _debug:
                 raise
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"{getattr(e, 'prefix', 'error')}: {e}", err=True)
+            raise typer.Exit(getattr(e, "exit_status", USER_ERROR)) from None
+        except OSError as e:
+            if _debug or e.errno != errno.ENOSPC:
+                raise
+            typer.echo(f"error: no space left on device writing {e.filename or 'a file'}; free some space (a run "
+                       f"continues from its last checkpoint with --resume)", err=True)
             raise typer.Exit(USER_ERROR) from None
+        except KeyboardInterrupt:
+            if _debug:
+                raise
+            typer.echo("stopped: interrupted (a run continues from its last checkpoint with --resume)", err=True)
+            raise typer.Exit(130) from None
     return run
 
 
@@ -95,8 +109,10 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap plain prompts in the model's chat template.")] = True,
     seed: Annotated[int, typer.Option()] = 0,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per sample: text, token ids, logprobs.")] = False,
 ) -> None:
-    """Sample from a model; one JSON line per sample: text, token ids, per-token logprobs."""
+    """Sample from a model: the text of each sample (with --json, one JSON line per sample with
+    its token ids, per-token logprobs and finish reason)."""
     import jax
 
     from opd_jax.models import load_model, resolve_model_path
@@ -114,6 +130,9 @@ def generate(
             continue
         if tokenizer is None:
             raise typer.BadParameter("this model has no tokenizer; give --prompt-ids", param_hint="MODEL")
+        if "messages" in r and not tokenizer.chat_template:
+            raise typer.BadParameter(f"{model} has no chat template, so it cannot take chat messages; give a plain "
+                                     f"--prompt instead", param_hint="--messages")
         use_chat = "messages" in r or (chat and tokenizer.chat_template)
         conversation = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
         ids.append(tokenizer.encode_chat(conversation) if use_chat else tokenizer.encode(r["prompt"]))
@@ -123,11 +142,17 @@ def generate(
     batch = [p for p in ids for _ in range(num_samples)]
     rollouts = sampler.generate(batch, params, jax.random.key(seed))
     for i, rollout in enumerate(rollouts):
-        record = {"request": i // num_samples, "sample": i % num_samples,
-                  "text": tokenizer.decode(rollout.output_ids, skip_special_tokens=True) if tokenizer else None,
-                  "token_ids": list(rollout.output_ids), "logprobs": list(rollout.output_logprobs),
-                  "finish_reason": rollout.finish_reason, "prompt_token_ids": list(rollout.prompt_ids)}
-        sys.stdout.write(json.dumps(record) + "\n")
+        text = tokenizer.decode(rollout.output_ids, skip_special_tokens=True) if tokenizer else None
+        if as_json:
+            record = {"request": i // num_samples, "sample": i % num_samples, "text": text,
+                      "token_ids": list(rollout.output_ids), "logprobs": list(rollout.output_logprobs),
+                      "finish_reason": rollout.finish_reason, "prompt_token_ids": list(rollout.prompt_ids)}
+            sys.stdout.write(json.dumps(record) + "\n")
+            continue
+        if len(rollouts) > 1:
+            sys.stdout.write(f"--- request {i // num_samples}, sample {i % num_samples} "
+                             f"({rollout.finish_reason}) ---\n")
+        sys.stdout.write((text if text is not None else " ".join(map(str, rollout.output_ids))) + "\n")
 
 
 def _split_overrides(config_file: Optional[Path], overrides: Optional[list[str]]):
@@ -149,12 +174,13 @@ def train(
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...",
                                                              help="Dotted overrides, e.g. rollout.samples_per_prompt=8")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in logging.run_dir from its last checkpoint.")] = False,
+    force: Annotated[bool, typer.Option(help="With --resume: accept config changes a resume cannot honour.")] = False,
 ) -> None:
     """RL-train a policy (PPO with a critic + IcePop by default; see the config)."""
     from opd_jax.train import train as run
 
     config = _load(*_split_overrides(config_file, overrides))
-    typer.echo(f"run written to {run(config, resume=resume)}")
+    typer.echo(f"run written to {run(config, resume=resume, force=force)}")
 
 
 @_command()
@@ -163,18 +189,9 @@ def sft(
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
 ) -> None:
     """Supervised warm start only (the config's sft section); writes a Hugging Face directory."""
-    from opd_jax.config import ConfigError
-    from opd_jax.models import save_model
-    from opd_jax.train import build_model, warm_start
+    from opd_jax.train.sft import run_sft
 
-    config = _load(*_split_overrides(config_file, overrides))
-    if config.sft.steps == 0:
-        raise ConfigError("sft.steps is 0: nothing to train")
-    run_dir = Path(config.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    policy, tokenizer = build_model(config.model)
-    policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
-    typer.echo(f"model written to {save_model(policy, run_dir / 'sft_policy', tokenizer)}")
+    typer.echo(f"model written to {run_sft(_load(*_split_overrides(config_file, overrides)))}")
 
 
 @_command()
@@ -196,6 +213,7 @@ def merge(
     config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="A merge config (see configs/).")],
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the merge in logging.run_dir from its last checkpoint.")] = False,
+    force: Annotated[bool, typer.Option(help="With --resume: accept config changes a resume cannot honour.")] = False,
 ) -> None:
     """Merge the experts into one student by multi-teacher on-policy distillation; writes
     report.json (base, experts, student and weight-space baselines per domain)."""
@@ -204,7 +222,7 @@ def merge(
     from opd_jax.merge import read_report_table
 
     config = _load(config_file, list(overrides or []), MergeConfig)
-    run_dir = run(config, resume=resume)
+    run_dir = run(config, resume=resume, force=force)
     typer.echo(read_report_table(run_dir))
     typer.echo(f"merge written to {run_dir}")
 
@@ -247,6 +265,9 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="Show the tracebac
     """opd_jax command line."""
     global _debug
     _debug = debug
+    if not debug:  # errors of orbax's coroutines, collected late (at exit), are never the user's to read
+        sys.unraisablehook = lambda unraisable: None
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def main() -> None:

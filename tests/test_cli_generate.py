@@ -1,4 +1,5 @@
-"""`opd-jax generate`: one JSON line per sample, logprobs consistent with the model."""
+"""`opd-jax generate`: plain text by default; with --json one JSON line per sample, logprobs
+consistent with the model; bad input is one line."""
 
 import json
 
@@ -14,8 +15,9 @@ from opd_jax.models import load_model
 runner = CliRunner()
 
 
-def run(*args):
-    result = runner.invoke(app, ["generate", *map(str, args)], env={"COLUMNS": "1000"})
+def run(*args, json_lines=True):
+    result = runner.invoke(app, ["generate", *map(str, args), *(["--json"] if json_lines else [])],
+                           env={"COLUMNS": "1000"})
     return result, [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
@@ -44,6 +46,29 @@ def test_generate_chat_with_smollm2():
     (record,) = records
     assert "Paris" in record["text"] and record["finish_reason"] in ("stop", "length")
     assert len(record["token_ids"]) == len(record["logprobs"]) <= 16
+    plain, _ = run("smollm2-135m-instruct", "-p", "What is the capital of France?", "--temperature", "0",
+                   "--max-new-tokens", "16", json_lines=False)
+    assert plain.exit_code == 0 and plain.stdout == record["text"] + "\n"  # the text alone, nothing else
+
+
+def test_plain_text_and_chat_messages_on_a_model_without_a_chat_template(tmp_path):
+    from flax import nnx
+
+    from opd_jax.models import Decoder, ModelConfig, save_model
+    from opd_jax.models.char_tokenizer import char_tokenizer
+    tokenizer = char_tokenizer()
+    config = ModelConfig(family="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, eos_token_ids=(tokenizer.eos_token_id,))
+    save_model(Decoder(config, rngs=nnx.Rngs(0)), tmp_path, tokenizer)
+    result, _ = run(tmp_path, "--messages", '[{"role": "user", "content": "hi"}]', json_lines=False)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "has no chat template" in result.output and "--messages" in result.output
+    result, _ = run(tmp_path, "-p", "1+1=", "-p", "2+2=", "--max-new-tokens", "3", "--temperature", "0",
+                    json_lines=False)
+    _, records = run(tmp_path, "-p", "1+1=", "-p", "2+2=", "--max-new-tokens", "3", "--temperature", "0")
+    assert result.exit_code == 0
+    expected = "".join(f"--- request {r['request']}, sample 0 ({r['finish_reason']}) ---\n{r['text']}\n" for r in records)
+    assert result.stdout == expected
 
 
 def test_bad_input_is_reported(tmp_path):

@@ -22,7 +22,7 @@ def test_train_runs_and_writes_its_run_directory(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1] and "reward_mean" in rows[-1]
     again = run_cli(["train", *TINY, "steps=2", f"logging.run_dir={tmp_path}"])
-    assert again.exit_code == 2 and "pass --resume" in again.output
+    assert again.exit_code == 2 and "holds a finished `opd-jax train` run" in again.output
 
 
 def test_config_errors_name_the_key(tmp_path):

@@ -1,6 +1,14 @@
 """Typed, validated training configs: YAML plus dotted overrides, errors that name the key."""
 
-from opd_jax.config.load import ConfigError, dump_config, load_config, save_config, to_plain
+from opd_jax.config.load import (
+    ConfigError,
+    config_changes,
+    dump_config,
+    fixed_on_resume,
+    load_config,
+    save_config,
+    to_plain,
+)
 from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig
 from opd_jax.config.reference import explain
 from opd_jax.config.schema import (
@@ -19,4 +27,5 @@ from opd_jax.config.schema import (
 
 __all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "ExpertsConfig", "FreshModel",
            "LoggingSection", "MergeConfig", "ModelSection", "RolloutSection", "SFTSection", "SourceSpec", "TrainConfig",
-           "dump_config", "explain", "load_config", "save_config", "scoring_temperature", "to_plain"]
+           "config_changes", "dump_config", "explain", "fixed_on_resume", "load_config", "save_config",
+           "scoring_temperature", "to_plain"]

@@ -4,6 +4,7 @@ OmegaConf, then checked by pydantic against the schema; every error names the do
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,13 +24,24 @@ class ConfigError(OpdJaxError, ValueError):
     """A config that cannot be used; the message names the file or the dotted key."""
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _nearest(loc: tuple[Any, ...], schema: type[pydantic.BaseModel]) -> str:
+    """' (did you mean KEY?)' for the known key closest to an unknown one, or ''."""
+    from opd_jax.config.reference import key_docs  # the reference reads the schema through this module
+
+    pattern = "".join("[]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    near = difflib.get_close_matches(pattern, [d.key for d in key_docs(schema)], n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def _describe(error: dict[str, Any], schema: type[pydantic.BaseModel], overrides: Sequence[str]) -> str:
     key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    source = next((f"override {o!r}: " for o in overrides if key == o.split("=", 1)[0].strip()
+                   or key.startswith(o.split("=", 1)[0].strip() + ".")), "")
     if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        return f"{key}: unknown key"
+        return f"{source}{key}: unknown key{_nearest(error['loc'], schema)}"
     got = error.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{key}: {error['msg']}{shown}"
+    return f"{source}{key}: {error['msg']}{shown}"
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
@@ -52,7 +64,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     try:
         return schema.model_validate(raw)
     except pydantic.ValidationError as e:
-        problems = "\n  ".join(_describe(err) for err in e.errors())
+        problems = "\n  ".join(_describe(err, schema, overrides) for err in e.errors())
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n  {problems}") from None
 
 
@@ -79,3 +91,26 @@ def dump_config(config: pydantic.BaseModel) -> str:
 def save_config(config: pydantic.BaseModel, path: str | Path) -> None:
     """Write the resolved config; load_config(path) gives it back."""
     Path(path).write_text(dump_config(config))
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a.b.c": value} for every leaf of nested mappings (lists are leaves)."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_changes(old_yaml: str, new: pydantic.BaseModel) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (old value, new value)} for every key whose value differs between a saved
+    config (its YAML text) and `new`."""
+    before, after = flatten(yaml.safe_load(old_yaml) or {}), flatten(to_plain(new))
+    return {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)}
+
+
+def fixed_on_resume(changes: dict[str, Any], fixed: Sequence[str]) -> list[str]:
+    """The changed keys under any of the `fixed` prefixes (what a resumed run cannot change)."""
+    return [k for k in changes if any(k == p or k.startswith(p + ".") for p in fixed)]

@@ -5,7 +5,7 @@ thing in all three commands."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -145,6 +145,10 @@ class MergeConfig(Section):
     """`opd-jax merge`: the student (the experts' base unless `student` says otherwise) samples
     on the mix of the experts' prompts; each prompt's domain routes it to its teacher; the OPD
     step (`opd`) trains the student."""
+
+    # what a resumed merge cannot change without --force: the student's shapes, its teachers, its prompts
+    resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "experts_dir", "student", "teachers.paths", "teachers.domains",
+                                               "mix", "data.train", "data.seed", "data.chat_template")
 
     experts_dir: str | None = None
     """An `opd-jax experts` run directory: its base, experts and sources are the defaults."""

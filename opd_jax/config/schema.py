@@ -4,7 +4,7 @@ is defined, defaulted and checked in exactly one place."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -211,6 +211,10 @@ class DataSection(Section):
     """Wrap plain prompts in the model's chat template."""
     reward_fn: str | None = None
     """'module:function' reward(prompt, response, answer, domain) -> float, replacing the domain verifiers."""
+    on_bad_reward: Literal["fail", "skip"] = "fail"
+    """A reward function that raises or returns a non-number (or a NaN/inf reward): fail stops the
+    run naming the function and the sample; skip drops the sample from the loss (and from held-out
+    accuracy) and counts it in reward/bad_samples."""
     seed: int = 0
     """Seed of the prompt stream."""
 
@@ -257,6 +261,10 @@ class LoggingSection(Section):
 
 class TrainConfig(Section):
     """`opd-jax train`: PPO (or GRPO) on the policy's own rollouts."""
+
+    # what a resumed run cannot change without --force: its checkpoints' shapes, its prompt stream
+    resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "model", "data.train", "data.seed", "data.chat_template",
+                                               "algorithm.ppo.advantage")
 
     steps: int = Field(100, gt=0)
     """Training steps (one batch of rollouts each)."""

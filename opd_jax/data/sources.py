@@ -36,11 +36,16 @@ def read_jsonl(path: str | Path) -> list[Example]:
     if not path.is_file():
         raise DataError(f"{path}: no such prompt file")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                f"save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

@@ -14,6 +14,7 @@ a time in processes of their own; `--only NAME` runs one of them (one host each)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ from opd_jax.config.opd_pipeline import ExpertsConfig
 from opd_jax.data import source_domains
 from opd_jax.errors import OpdJaxError
 from opd_jax.models import save_model
-from opd_jax.train import Checkpoints, RunError, build_model, held_out_evaluator, read_metrics, train, warm_start
+from opd_jax.train import RunError, build_model, checkpoint_steps, held_out_evaluator, lock, read_metrics, train, warm_start
 
 BASE = "base"
 
@@ -83,7 +84,13 @@ def build_base(config: ExpertsConfig) -> dict[str, Any]:
     summary_path = directory / "base.json"
     if summary_path.exists():
         return json.loads(summary_path.read_text())
-    directory.mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(lock(directory, "experts")):  # one builder at a time
+        if summary_path.exists():  # built while this process waited for the lock
+            return json.loads(summary_path.read_text())
+        return _build_base(config, directory, summary_path)
+
+
+def _build_base(config: ExpertsConfig, directory: Path, summary_path: Path) -> dict[str, Any]:
     cfg = base_train_config(config)
     began = time.perf_counter()
     policy, tokenizer = build_model(cfg.model)
@@ -114,12 +121,12 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
     if summary_path.exists():
         return json.loads(summary_path.read_text())
     cfg = expert_train_config(config, name)
-    checkpoints, last = Checkpoints.for_run(directory, cfg.checkpoint.keep, resume=True)
-    checkpoints.close()
-    resume = last is not None
+    done = checkpoint_steps(directory)
+    resume = bool(done)
     began = time.perf_counter()
     try:
-        train(cfg, resume=resume)
+        if not done or done[-1] < cfg.steps:  # trained to the end already: only its summary is missing
+            train(cfg, resume=resume)
     except RunError as e:
         raise ExpertsError(f"expert {name!r}: {e}") from None
     rows = read_metrics(directory / "metrics.jsonl")
@@ -129,7 +136,8 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
     accuracy = lambda row: {d: row[f"eval/{d}/accuracy"] for d in domains if f"eval/{d}/accuracy" in row}  # noqa: E731
     summary = {"name": name, "model": str((directory / "hf_policy").resolve()), "domains": domains,
                "sources": [to_plain(s) for s in config.experts[name]], "steps": cfg.steps,
-               "eval": accuracy(evals[-1]), "eval_at_start": accuracy(evals[0]) if evals[0]["step"] == 0 else None,
+               "eval": accuracy(evals[-1]) if evals else {},
+               "eval_at_start": accuracy(evals[0]) if evals and evals[0]["step"] == 0 else None,
                "wall_time_s": time.perf_counter() - began, "resumed": resume}
     _write_json(summary_path, summary)
     return summary

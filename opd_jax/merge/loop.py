@@ -18,14 +18,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from opd_jax.config import MergeConfig, scoring_temperature
+from opd_jax.config import MergeConfig, ModelSection, scoring_temperature
 from opd_jax.core import DistillBatch, PolicyState, make_optimizer, opd_step, score_student
 from opd_jax.merge.plan import MergePlan, resolve_plan
 from opd_jax.merge.report import write_report
 from opd_jax.merge.routing import teacher_indices
 from opd_jax.merge.teachers import Teachers, build_teachers
 from opd_jax.models import save_model
-from opd_jax.train import build_model, run
+from opd_jax.train import build_model, check_run_inputs, run
 
 
 def name_teachers(metrics: dict[str, float], names: list[str], present: set[int]) -> dict[str, float]:
@@ -47,6 +47,7 @@ class OPDTask:
     """The student (the experts' base unless the config names one), its teachers (local on the
     mesh, or SGLang servers), `opd_step`; at the end the student and the report."""
 
+    command = "merge"
     nonfinite_inputs = "log-probs or rewards"
     teachers: Teachers | None = None
 
@@ -62,10 +63,19 @@ class OPDTask:
         self.step_fn = functools.partial(opd_step, config=opd, group_size=group,
                                          num_teachers=len(self.plan.teachers), temperature=self.temperature)
 
-    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> None:
+    def check_inputs(self) -> None:
+        models = {"student": self.plan.student}
+        if self.config.teachers.engine == "local":
+            models.update({f"teachers.paths.{t.name}": ModelSection(path=str(t.path)) for t in self.plan.teachers})
+        check_run_inputs(mesh=self.config.mesh, models=models, data=self.data,
+                         max_new_tokens=self.config.rollout.max_new_tokens)
+
+    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.plan.student)
+        began = time.perf_counter()
         self.teachers = build_teachers(self.plan.teachers, self.config.teachers, self.policy, self.tokenizer, mesh,
                                        self.config.opd, self.temperature, run_dir / "sglang_logs")
+        return {"teachers": time.perf_counter() - began}
 
     def create_state(self) -> PolicyState:
         return PolicyState.create(self.policy, make_optimizer(self.config.optimizer))
@@ -94,9 +104,9 @@ class OPDTask:
             self.teachers.close()
 
 
-def merge(config: MergeConfig, *, resume: bool = False, stop_after: int | None = None) -> Path:
+def merge(config: MergeConfig, *, resume: bool = False, force: bool = False, stop_after: int | None = None) -> Path:
     """Run (or, with resume, continue) the configured merge; returns the run directory, which
     holds report.json when the merge ends. Every input is checked before the first step.
     stop_after: end after that step as if killed (checkpoints as configured), for tests."""
-    run_dir, _ = run(config, OPDTask(config), resume=resume, stop_after=stop_after)
+    run_dir, _ = run(config, OPDTask(config), resume=resume, force=force, stop_after=stop_after)
     return run_dir

@@ -77,11 +77,11 @@ def build_report(config: MergeConfig, plan: MergePlan, student: Decoder, tokeniz
             model, _ = load_teacher(spec.name, spec.path, config.teachers.dtype)
             experts.append(model)
             columns["expert"].update(evaluator(model, [d for d in spec.domains if d in evaluator.held_out]))
-        phases["evaluation"] = time.perf_counter() - began
+        phases["report: evaluation"] = time.perf_counter() - began
         began = time.perf_counter()
         baselines, notes = _baselines(config, plan, base, experts, tokenizer, evaluator)
         columns.update(baselines)
-        phases["baselines"] = time.perf_counter() - began
+        phases["report: baselines"] = time.perf_counter() - began
     finally:
         evaluator.close()
     domains = sorted(evaluator.held_out)

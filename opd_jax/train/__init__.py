@@ -11,8 +11,11 @@ from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
 from opd_jax.train.loop import PPOTask, memory_report, train
 from opd_jax.train.metrics import read_metrics
+from opd_jax.train.preflight import check_run_inputs
+from opd_jax.train.run_dir import checkpoint_steps, lock
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import warm_start
 
 __all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
-           "held_out_evaluator", "memory_report", "read_metrics", "run", "sglang_engine", "train", "warm_start"]
+           "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report", "read_metrics", "run",
+           "sglang_engine", "train", "warm_start"]

@@ -22,9 +22,25 @@ def response_text(tokenizer: Tokenizer, rollout: Rollout) -> str:
 
 
 def rollout_rewards(rollouts: Sequence[Rollout], examples: Sequence[Example], tokenizer: Tokenizer,
-                    reward_fn: RewardFn | None = None) -> np.ndarray:
-    """The reward of each rollout's decoded response (`opd_jax.rewards.compute_rewards`)."""
-    return compute_rewards([response_text(tokenizer, r) for r in rollouts], examples, reward_fn)
+                    reward_fn: RewardFn | None = None, *, on_bad: str = "fail") -> np.ndarray:
+    """The reward of each rollout's decoded response (`opd_jax.rewards.compute_rewards`; NaN for
+    a bad sample under on_bad="skip")."""
+    return compute_rewards([response_text(tokenizer, r) for r in rollouts], examples, reward_fn, on_bad=on_bad)
+
+
+def drop_bad_rewards(rewards: np.ndarray, response_mask: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows whose reward is NaN (a bad sample, skipped) leave the loss: their response mask is
+    zeroed and their reward set to the mean of their group's good rows (0 if none), so the group
+    baseline is that of the good rows. Returns (rewards, response_mask), new arrays."""
+    rewards, mask = np.array(rewards, np.float32), np.array(response_mask)
+    bad = np.isnan(rewards)
+    if bad.any():
+        groups = rewards.reshape(-1, group_size)
+        good = ~np.isnan(groups)
+        good_mean = np.where(good, groups, 0).sum(1, keepdims=True) / np.maximum(good.sum(1, keepdims=True), 1)
+        rewards = np.where(bad, np.broadcast_to(good_mean, groups.shape).reshape(-1), rewards).astype(np.float32)
+        mask[bad] = 0
+    return rewards, mask
 
 
 def batch_length(lengths: Sequence[int], multiple: int = 32) -> int:

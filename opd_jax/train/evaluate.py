@@ -23,9 +23,11 @@ from rollout_bridge.records import Failure, Request, SamplingParams
 
 def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Sequence[Example]],
              encode: Callable[[Example], list[int]], *, max_new_tokens: int, stop_token_ids: tuple[int, ...],
-             reward_fn: RewardFn | None = None) -> dict[str, float]:
+             reward_fn: RewardFn | None = None, on_bad: str = "fail") -> dict[str, float]:
     """{"eval/<domain>/accuracy": mean reward of greedy answers, ..., "eval/accuracy": the mean
-    over domains}. A request the engine could not serve stops the evaluation with its error."""
+    over domains}; nothing without held-out prompts. A request the engine could not serve stops
+    the evaluation with its error; bad samples (on_bad="skip") leave the mean and are counted in
+    "eval/<domain>/bad_samples"."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     out: dict[str, float] = {}
     for domain, examples in sorted(held_out.items()):
@@ -33,8 +35,14 @@ def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Seq
         failed = [c for c in completions if isinstance(c, Failure)]
         if failed:
             raise RewardError(f"{len(failed)} held-out {domain} requests failed; first: {failed[0].error}")
-        out[f"eval/{domain}/accuracy"] = float(np.mean(rollout_rewards(completions, examples, tokenizer, reward_fn)))
-    out["eval/accuracy"] = float(np.mean(list(out.values()))) if out else 0.0
+        rewards = rollout_rewards(completions, examples, tokenizer, reward_fn, on_bad=on_bad)
+        good = rewards[~np.isnan(rewards)]
+        out[f"eval/{domain}/accuracy"] = float(good.mean()) if good.size else float("nan")
+        if on_bad == "skip":
+            out[f"eval/{domain}/bad_samples"] = float(np.isnan(rewards).sum())
+    accuracies = [v for k, v in out.items() if k.endswith("/accuracy")]
+    if accuracies:
+        out["eval/accuracy"] = float(np.mean(accuracies))
     return out
 
 

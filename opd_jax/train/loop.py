@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from opd_jax.config import TrainConfig, scoring_temperature
 from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch
 from opd_jax.models import save_model
 from opd_jax.train.build import build_critic, build_model
+from opd_jax.train.preflight import check_run_inputs
 from opd_jax.train.runner import run
 from opd_jax.train.sft import warm_start
 
@@ -37,6 +39,7 @@ class PPOTask:
     """PPO with a learned critic (or the GRPO baseline): the policy from the model section (and
     the supervised warm start on a new run), the critic on its backbone, `ppo_step`."""
 
+    command = "train"
     nonfinite_inputs = "log-probs or values"
 
     def __init__(self, config: TrainConfig):
@@ -47,10 +50,18 @@ class PPOTask:
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
                                          group_size=config.rollout.samples_per_prompt, temperature=temperature)
 
-    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> None:
+    def check_inputs(self) -> None:
+        check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
+                         max_new_tokens=self.config.rollout.max_new_tokens)
+
+    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.config.model)
-        if not resuming and self.config.sft.steps:
-            self.policy = warm_start(self.policy, self.tokenizer, self.config, run_dir / "sft_metrics.jsonl")
+        if resuming or not self.config.sft.steps:
+            return {}
+        began = time.perf_counter()
+        self.policy = warm_start(self.policy, self.tokenizer, self.config, run_dir / "sft_metrics.jsonl",
+                                 restart_hint="run the same command again (without --resume)")
+        return {"warm start": time.perf_counter() - began}
 
     def create_state(self) -> PPOState:
         algorithm = self.config.algorithm
@@ -79,8 +90,9 @@ class PPOTask:
         pass
 
 
-def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None = None) -> Path:
+def train(config: TrainConfig, *, resume: bool = False, force: bool = False, stop_after: int | None = None) -> Path:
     """Run (or, with resume, continue) the configured training; returns the run directory.
+    force: resume even when the config changes what a resume cannot honour (`resume_fixed`).
     stop_after: end after that step as if killed (checkpoints as configured), for tests."""
-    run_dir, _ = run(config, PPOTask(config), resume=resume, stop_after=stop_after)
+    run_dir, _ = run(config, PPOTask(config), resume=resume, force=force, stop_after=stop_after)
     return run_dir

@@ -1,5 +1,5 @@
 """Where a run's numbers go: metrics.jsonl (one object per step), TensorBoard event files, a
-live progress bar, and at the end a PNG of the reward and eval curves."""
+live progress bar, and at the end a PNG of the curves and a summary for the terminal."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import tqdm
+import numpy as np
+
+from opd_jax.train.console import progress, restart_clock
 
 _BAR_KEYS = {"reward": "reward_mean", "eval": "eval/accuracy", "tok/s": "rollout/tokens_per_s",
              "kl": "policy/approx_kl_k3", "masked": "policy/weight_zero_frac", "|Δlogp|": "mismatch_abs_logp_diff"}
@@ -19,7 +21,7 @@ class MetricsLog:
     shows a progress bar over the run's steps."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, *, tensorboard: bool = True,
-                 progress_bar: bool = True):
+                 progress_bar: bool = True, description: str = "train"):
         self.path = run_dir / "metrics.jsonl"
         if start_step == 0:
             self.path.write_text("")
@@ -30,9 +32,12 @@ class MetricsLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not progress_bar, unit="step",
-                             dynamic_ncols=True)
+            if start_step == 0 and (run_dir / "sft_metrics.jsonl").exists():
+                for row in read_metrics(run_dir / "sft_metrics.jsonl"):
+                    self.writer.add_scalar("sft/loss", row["sft/loss"], row["step"])
+        self.bar = progress(total_steps, description, initial=start_step, enabled=progress_bar)
         self.last: dict[str, float] = {}
+        self.shown: set[str] = set()  # bar fields that were ever non-zero (an always-zero field says nothing)
 
     def log(self, step: int, metrics: dict[str, Any], *, advance: bool = True) -> None:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -43,11 +48,20 @@ class MetricsLog:
                 if name != "step" and math.isfinite(value):
                     self.writer.add_scalar(name, value, step)
         self.last.update(row)
-        self.bar.set_postfix({k: f"{self.last[v]:.3g}" for k, v in _BAR_KEYS.items() if v in self.last})
+        self.shown.update(k for k, v in _BAR_KEYS.items() if self.last.get(v))
+        self.bar.set_postfix({k: f"{self.last[v]:.3g}" for k, v in _BAR_KEYS.items() if k in self.shown}, refresh=False)
         if advance:
             self.bar.update(1)
         else:
             self.bar.refresh()
+
+    def note(self, text: str) -> None:
+        """A word on what the bar is waiting for (compiling, ...), until the next step is logged."""
+        self.bar.set_postfix_str(text)
+
+    def restart_clock(self) -> None:
+        """The ETA from here on ignores the steps so far (the first one compiles)."""
+        restart_clock(self.bar)
 
     def close(self) -> None:
         self.bar.close()
@@ -59,16 +73,39 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def smooth(values: list[float], weight: float = 0.9) -> np.ndarray:
+    """Exponential moving average, debiased (as TensorBoard's smoothing), so the curve starts at
+    the first value rather than at 0."""
+    out, average = [], 0.0
+    for n, v in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * v
+        out.append(average / (1 - weight**n))
+    return np.asarray(out)
+
+
 def plot_curves(metrics_path: Path, out: Path) -> None:
-    """reward_mean per step and eval accuracy (overall and per domain) on eval steps, as a PNG."""
+    """The run's curves as a PNG: training reward (smoothed, the raw values faint behind), held-out
+    accuracy per domain on eval steps, and the warm start's loss when the run had one."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    sft_path = metrics_path.parent / "sft_metrics.jsonl"
+    sft = read_metrics(sft_path) if sft_path.exists() else []
+    fig, axes = plt.subplots(1, 3 if sft else 2, figsize=(16 if sft else 11, 4))
+    if sft:
+        steps, loss = [r["step"] for r in sft], [r["sft/loss"] for r in sft]
+        axes[0].plot(steps, loss, color="tab:gray", alpha=0.3, linewidth=1)
+        axes[0].plot(steps, smooth(loss), color="tab:gray", label="smoothed")
+        axes[0].set(title="warm start (SFT) loss", xlabel="SFT step", ylabel="cross-entropy", yscale="log")
+    left, right = axes[-2], axes[-1]
     steps = [r["step"] for r in rows if "reward_mean" in r]
-    left.plot(steps, [r["reward_mean"] for r in rows if "reward_mean" in r])
+    rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+    if rewards:
+        left.plot(steps, rewards, color="tab:blue", alpha=0.25, linewidth=1, label="per step")
+        left.plot(steps, smooth(rewards), color="tab:blue", linewidth=2, label="smoothed (EMA 0.9)")
+        left.legend(fontsize=7)
     left.set(title="training reward", xlabel="step", ylabel="mean reward")
     keys = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("accuracy")})
     for key in keys:
@@ -81,3 +118,32 @@ def plot_curves(metrics_path: Path, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
+    """What a finished run did, for the terminal: held-out accuracy per domain at the first and
+    last evaluation, wall time per phase, and where the artifacts are."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    lines = []
+    if evals:
+        first, last = evals[0], evals[-1]
+        keys = ["eval/accuracy"] + sorted(k for k in last if k.startswith("eval/") and k.endswith("/accuracy")
+                                          and k.count("/") == 2)
+        width = max(len(k) for k in keys) - len("eval//accuracy") + 3
+        lines.append(f"held-out accuracy   {'':<{width}}step {first['step']:>4}   step {last['step']:>4}")
+        for key in keys:
+            name = key.removeprefix("eval/").removesuffix("accuracy").strip("/") or "all domains"
+            lines.append(f"  {name:<{width + 18}}{first.get(key, float('nan')):>9.3f}   {last[key]:>9.3f}")
+    else:
+        lines.append("held-out accuracy: none (no held-out prompts)")
+    lines.append("wall time: " + ", ".join(f"{name} {_duration(s)}" for name, s in phases.items())
+                 + f" (total {_duration(sum(phases.values()))})")
+    files = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir() if not p.name.startswith("."))
+    lines.append(f"run directory {run_dir}: {', '.join(files)}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -20,7 +21,7 @@ from opd_jax.core import RolloutBatch, validate_batch
 from opd_jax.data import Example, eval_prompts, take, train_prompts
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.rewards import RewardError, load_reward_fn
-from opd_jax.train.batching import rollout_rewards, rollouts_to_batch
+from opd_jax.train.batching import drop_bad_rewards, rollout_rewards, rollouts_to_batch
 from opd_jax.train.build import encode_prompt, stop_ids
 from opd_jax.train.engines import make_engine, weight_update
 from opd_jax.train.errors import RunError
@@ -92,17 +93,23 @@ class RolloutSession:
         rollouts = [r for g in groups for r in g]
         try:
             rewards = rollout_rewards(rollouts, [r.metadata["example"] for r in rollouts], self.tokenizer,
-                                     self.reward_fn)
+                                      self.reward_fn, on_bad=self.data.on_bad_reward)
         except RewardError as e:
-            raise RunError(f"step {step + 1}: {e}") from None
-        batch = rollouts_to_batch(rollouts, rewards, pad_id=self.tokenizer.pad_token_id or 0,
+            raise RunError(f"step {step + 1}: {e} (data.on_bad_reward: skip drops such samples)") from None
+        bad = np.isnan(rewards)
+        batch = rollouts_to_batch(rollouts, np.nan_to_num(rewards), pad_id=self.tokenizer.pad_token_id or 0,
                                   truncated=self.rollout.truncated, truncation_penalty=self.rollout.truncation_penalty)
+        if bad.any():
+            kept, mask = drop_bad_rewards(np.where(bad, np.nan, np.asarray(batch.rewards)),
+                                          np.asarray(batch.response_mask), self.rollout.samples_per_prompt)
+            batch = batch.replace(rewards=jnp.asarray(kept), response_mask=jnp.asarray(mask))
         validate_batch(batch, vocab_size=vocab_size)
         generated = sum(len(r.output_ids) for r in rollouts)
         return batch, rollouts, {
             "rollout/tokens_per_s": generated / max(wait, 1e-9), "rollout/wait_s": wait,
             "rollout/staleness": float(np.mean([step - r.weight_version for r in rollouts])),
-            "rollout/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts]))}
+            "rollout/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+            **({"reward/bad_samples": float(bad.sum())} if self.data.on_bad_reward == "skip" else {})}
 
     def refit(self, params: nnx.State, version: int) -> dict[str, float]:
         """Serve weights `version` from now on; the refit time and the engine's counters."""
@@ -119,7 +126,7 @@ class RolloutSession:
         try:
             return evaluate(self.engine, self.tokenizer, self.held_out, self.encode,
                             max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=self.stops,
-                            reward_fn=self.reward_fn)
+                            reward_fn=self.reward_fn, on_bad=self.data.on_bad_reward)
         except RewardError as e:
             raise RunError(f"evaluation at step {at_step}: {e}") from None
 

@@ -15,6 +15,8 @@ A new algorithm is a new Task, never a new loop.
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 import jax
 from flax import nnx
 
-from opd_jax.config import DataSection, save_config
+from opd_jax.config import ConfigError, DataSection, config_changes, dump_config, fixed_on_resume
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import (
     MeshError,
@@ -35,17 +37,22 @@ from opd_jax.parallel import (
     sharded_step,
     tree_shardings,
 )
+from opd_jax.train import signals
 from opd_jax.train.checkpoint import Checkpoints
-from opd_jax.train.errors import RunError
-from opd_jax.train.metrics import MetricsLog, plot_curves
+from opd_jax.train.console import say
+from opd_jax.train.errors import Interrupted, RunDirError, RunError
+from opd_jax.train.metrics import MetricsLog, plot_curves, run_summary
 from opd_jax.train.rollouts import RolloutSession
+from opd_jax.train.run_dir import RunDirectory, checkpoint_steps
 from rollout_bridge.records import Rollout
 
 
 class Task(Protocol):
-    """The algorithm-specific parts of a run. `setup` is called once, after the run directory and
-    its checkpoints are known and before any state exists; the other methods after it."""
+    """The algorithm-specific parts of a run. `check_inputs` is called first, before anything is
+    built or written; `setup` once the run directory is claimed and before any state exists; the
+    other methods after it."""
 
+    command: str  # the CLI command that runs it ("train", "merge"): the owner of its run directory
     policy: Decoder  # the model the rollout engine serves (its graph; parameters come from the state)
     tokenizer: Tokenizer
     data: DataSection  # the prompts the policy samples on
@@ -53,7 +60,12 @@ class Task(Protocol):
     step_fn: Any  # (state, step input) -> (state, metrics) (pure; the runner jits it)
     nonfinite_inputs: str  # what the step's "nonfinite_inputs" counts, for the error message
 
-    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> None: ...
+    def check_inputs(self) -> None:
+        """Every input (models, data files, reward function, ...) checked without loading weights:
+        a problem raises an OpdJaxError naming the key, file:line or sample."""
+
+    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
+        """Build models (and on a new run, warm-start); returns {phase: wall seconds} of what it timed."""
 
     def create_state(self) -> Any:
         """The train state as a new run starts it (a resumed run restores over it)."""
@@ -73,39 +85,97 @@ class Task(Protocol):
     def close(self) -> None: ...
 
 
-def run(config: Any, task: Task, *, resume: bool = False, stop_after: int | None = None) -> tuple[Path, Any]:
+def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
+        stop_after: int | None = None) -> tuple[Path, Any]:
     """Run (or, with resume, continue) `task` as `config` (a TrainConfig or MergeConfig: steps,
     seed, mesh, distributed, rollout, checkpoint and logging sections) says; returns the run
     directory and the final state (None when stopped early by `stop_after`, for tests: end after
-    that step as if killed, checkpoints as configured)."""
+    that step as if killed, checkpoints as configured).
+
+    Before anything is built or written, every input is checked and the run directory claimed
+    (locked; see `run_dir`); a resume shows how the config changed and refuses changes it cannot
+    honour (`config.resume_fixed`) unless `force`. SIGINT/SIGTERM stop at the next step boundary
+    with a checkpoint (`Interrupted`)."""
     began = time.perf_counter()
-    run_dir = Path(config.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     initialize_distributed(config.distributed)
-    checkpoints, start = Checkpoints.for_run(run_dir, config.checkpoint.keep, resume)
+    rows = config.data.prompts_per_step * config.rollout.samples_per_prompt
+    mesh = make_mesh(config.mesh)
+    if rows % batch_shards(mesh):
+        raise MeshError(f"{rows} rollouts per step (data.prompts_per_step × rollout.samples_per_prompt) do not "
+                        f"split over the mesh's {batch_shards(mesh)} data-parallel shards: use a multiple")
+    task.check_inputs()
+    run_dir = Path(config.logging.run_dir)
+    directory = RunDirectory(run_dir, task.command)
+    if jax.process_index() == 0:  # one owner per run directory, even when many hosts write into it
+        directory.open(resume=resume, check=lambda d: _check_resumable(config, d, force) if resume else None)
+    status, details = "failed", {}
+    try:
+        if not resume:
+            directory.record_config(dump_config(config))
+        with signals.stop_at_step_boundary():
+            run_dir, state, status, details = _run(config, task, run_dir, directory, mesh, resume, stop_after, began)
+    except Interrupted as e:
+        status, details = "interrupted", {"message": str(e)}
+        raise
+    except BaseException as e:
+        details = {"error": f"{type(e).__name__}: {e}"}
+        raise
+    finally:
+        directory.close(status, **details)
+    return run_dir, state
+
+
+def _check_resumable(config: Any, directory: RunDirectory, force: bool) -> None:
+    latest = checkpoint_steps(directory.path)[-1]
+    if latest >= config.steps:
+        raise RunDirError(f"{directory.path} has run {latest} of {config.steps} steps: nothing to resume (raise steps "
+                          f"to train further)")
+    previous = directory.previous_config()
+    if previous is None:
+        return
+    changes = config_changes(previous, config)
+    if not changes:
+        return
+    shown = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    fixed = fixed_on_resume(changes, type(config).resume_fixed)
+    if fixed and not force:
+        raise ConfigError(f"the resumed run's config changes {', '.join(fixed)}, which a resume cannot honour "
+                          f"(checkpoint shapes, prompt stream); undo the change, choose another logging.run_dir, or "
+                          f"pass --force:\n{shown}")
+    say(f"resuming with a changed config (the earlier one stays in {directory.path}/config_history/):\n{shown}")
+
+
+def _resume_command() -> str:
+    argv = [a for a in sys.argv[1:] if a != "--resume"]
+    return "opd-jax " + " ".join(shlex.quote(a) for a in argv[:1] + ["--resume"] + argv[1:])
+
+
+def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: jax.sharding.Mesh, resume: bool,
+         stop_after: int | None, began: float) -> tuple[Path, Any, str, dict[str, Any]]:
+    checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint.keep, say=say)
     session = None
     try:
-        mesh = make_mesh(config.mesh)
-        rows = config.data.prompts_per_step * config.rollout.samples_per_prompt
-        if rows % batch_shards(mesh):
-            raise MeshError(f"{rows} rollouts per step (data.prompts_per_step × rollout.samples_per_prompt) do not "
-                            f"split over the mesh's {batch_shards(mesh)} data-parallel shards: use a multiple")
-        task.setup(run_dir, mesh, resuming=start is not None)
-        save_config(config, run_dir / "config.yaml")
-        state, meta = task.create_state(), None
-        if start is not None:
-            state, meta = checkpoints.restore(start, state)
+        phases = _read_phases(run_dir) if resume else {}
+        setup_began = time.perf_counter()
+        say(f"opd-jax {task.command}: {'resuming' if resume else 'new run in'} {run_dir} on {jax.device_count()} "
+            f"devices (mesh {', '.join(f'{k} {v}' for k, v in mesh.shape.items() if v > 1) or 'of one'})")
+        timed = task.setup(run_dir, mesh, resuming=resume) or {}
+        _add(phases, "setup", time.perf_counter() - setup_began - sum(timed.values()) + (setup_began - began))
+        for name, seconds in timed.items():
+            _add(phases, name, seconds)
+        state, meta, start = task.create_state(), None, 0
+        if resume:
+            start, state, meta = checkpoints.restore_latest(state)
+            say(f"resuming {run_dir} from step {start}")
+            directory.record_config(dump_config(config))
         state = shard(state, tree_shardings(state, mesh))
         session = RolloutSession(rollout=config.rollout, data=task.data, seed=config.seed, policy=task.policy,
                                  params=task.policy_params(state), tokenizer=task.tokenizer, run_dir=run_dir,
-                                 version=start or 0, resume=meta)
-        phases = _read_phases(run_dir) if start is not None else {"setup": 0.0, "train": 0.0}
-        phases["setup"] += time.perf_counter() - began
-        log = MetricsLog(run_dir, config.steps, start or 0, tensorboard=config.logging.tensorboard,
-                         progress_bar=config.logging.progress_bar)
+                                 version=start, resume=meta)
+        log = MetricsLog(run_dir, config.steps, start, tensorboard=config.logging.tensorboard,
+                         progress_bar=config.logging.progress_bar, description=task.command)
         try:
-            state = _steps(config, task, state, session, mesh, log, checkpoints, start or 0, phases, stop_after,
-                           run_dir)
+            state = _steps(config, task, state, session, mesh, log, checkpoints, start, phases, stop_after, run_dir)
         finally:
             log.close()
     finally:
@@ -114,12 +184,20 @@ def run(config: Any, task: Task, *, resume: bool = False, stop_after: int | None
             session.close()
         task.close()
     if state is None:
-        return run_dir, None
+        return run_dir, None, "interrupted", {"message": f"stopped after step {stop_after} (stop_after)"}
     if jax.process_index() == 0:
+        exported, timed = time.perf_counter(), sum(phases.values())
         if config.logging.plot:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
-        task.finish(state, run_dir, phases)
-    return run_dir, state
+        task.finish(state, run_dir, phases)  # may time its own parts into phases
+        _add(phases, "export", time.perf_counter() - exported - (sum(phases.values()) - timed))
+        _write_phases(run_dir, phases)
+        say(run_summary(run_dir, phases))
+    return run_dir, state, "finished", {}
+
+
+def _add(phases: dict[str, float], name: str, seconds: float) -> None:
+    phases[name] = phases.get(name, 0.0) + seconds
 
 
 # Wall time per phase, kept beside the checkpoints (not in them: a checkpoint holds only what the
@@ -129,12 +207,12 @@ _PHASES = "wall_time.json"
 
 def _read_phases(run_dir: Path) -> dict[str, float]:
     path = run_dir / _PHASES
-    return json.loads(path.read_text()) if path.exists() else {"setup": 0.0, "train": 0.0}
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _write_phases(run_dir: Path, phases: dict[str, float]) -> None:
     if jax.process_index() == 0:
-        (run_dir / _PHASES).write_text(json.dumps(phases))
+        (run_dir / _PHASES).write_text(json.dumps(phases, indent=1))
 
 
 def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: jax.sharding.Mesh, log: MetricsLog,
@@ -143,12 +221,16 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
     vocab = task.policy.config.vocab_size
     score_fn = step_fn = None
     if start == 0 and config.logging.eval_at_start:
+        began = time.perf_counter()
         log.log(0, session.evaluate(0), advance=False)
+        _add(phases, "evaluation", time.perf_counter() - began)
     for step in range(start, config.steps):
         began = time.perf_counter()
         batch, rollouts, metrics = session.next_batch(step, vocab)
         extra = task.extra_inputs(batch, rollouts)
-        if step_fn is None:
+        compiling = step_fn is None
+        if compiling:
+            log.note("compiling the step")
             score_fn = sharded_scoring(task.scoring_fn, state, batch, mesh)
             example = task.step_input(jax.eval_shape(task.scoring_fn, state, batch), extra)
             step_fn = sharded_step(task.step_fn, state, example, mesh)
@@ -160,14 +242,23 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
             raise RunError(f"step {step + 1}: {int(metrics['nonfinite_inputs'])} non-finite {task.nonfinite_inputs}")
         metrics.update(session.refit(task.policy_params(state), step + 1))
         done = step + 1
+        _add(phases, "first step (compiles)" if compiling else "steps", time.perf_counter() - began)
         if done % config.logging.eval_every == 0 or done == config.steps:
+            evaluated = time.perf_counter()
             metrics.update(session.evaluate(done))
-        phases["train"] += time.perf_counter() - began
+            _add(phases, "evaluation", time.perf_counter() - evaluated)
         log.log(done, metrics)
-        if done % config.checkpoint.every == 0 or done == config.steps:
+        if compiling:
+            log.restart_clock()
+        stop = signals.requested()
+        if done % config.checkpoint.every == 0 or done == config.steps or stop:
+            saved = time.perf_counter()
             checkpoints.save(done, state, session.state())
+            _add(phases, "checkpoints", time.perf_counter() - saved)
             _write_phases(run_dir, phases)
+        if stop and done < config.steps:
+            raise Interrupted(f"{stop} after step {done} of {config.steps}: checkpoint saved (step {done}); continue "
+                              f"with: {_resume_command()}", signals.exit_status())
         if stop_after is not None and done >= stop_after:
             return None
     return state
-

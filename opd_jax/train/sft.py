@@ -15,8 +15,11 @@ from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import batch_shardings, make_mesh, shard, sharded_step, tree_shardings
+from opd_jax.train import signals
 from opd_jax.train.batching import pack
 from opd_jax.train.build import encode_prompt, stop_ids
+from opd_jax.train.console import progress, restart_clock
+from opd_jax.train.errors import Interrupted
 
 # the warm start reads its own stream, so RL later sees the same prompts with or without it
 _SFT_SEED_OFFSET = 7919
@@ -33,19 +36,65 @@ def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: D
                         logp_infer=np.zeros_like(response), rewards=np.zeros(len(examples), np.float32))
 
 
-def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_path: Path) -> Decoder:
-    """`config.sft.steps` supervised updates of `policy`; the loss per step goes to log_path."""
+def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_path: Path, *,
+               restart_hint: str = "run the same command again") -> Decoder:
+    """`config.sft.steps` supervised updates of `policy`; the loss per step goes to log_path. A
+    SIGINT/SIGTERM (within `signals.stop_at_step_boundary`) stops it at a step boundary with
+    `Interrupted`: nothing of it is kept, so `restart_hint` says how to start over."""
     data = config.data.model_copy(update={"seed": config.data.seed + _SFT_SEED_OFFSET})
     prompts = iter(train_prompts(data))
     state = PolicyState.create(policy, make_optimizer(config.sft.optimizer))
     mesh = make_mesh(config.mesh)
     state = shard(state, tree_shardings(state, mesh))
     step = None
-    with log_path.open("w") as log:
+    bar = progress(config.sft.steps, "warm start", enabled=config.logging.progress_bar)
+    with log_path.open("w") as log, bar:
         for i in range(config.sft.steps):
             batch = demonstration_batch(take(prompts, config.sft.batch_size), tokenizer, policy,
                                         config.data.chat_template)
-            step = step or sharded_step(sft_step, state, batch, mesh)
+            if step is None:
+                bar.set_postfix_str("compiling the step")
+                step = sharded_step(sft_step, state, batch, mesh)
             state, metrics = step(state, shard(batch, batch_shardings(batch, mesh)))
-            log.write(json.dumps({"step": i + 1, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+            row = {"step": i + 1, **{k: float(v) for k, v in metrics.items()}}
+            log.write(json.dumps(row) + "\n")
+            bar.set_postfix(loss=f"{row['sft/loss']:.3g}", refresh=False)
+            bar.update(1)
+            if i == 0:
+                restart_clock(bar)
+            if signals.requested() and i + 1 < config.sft.steps:
+                raise Interrupted(f"{signals.requested()} during the warm start (SFT step {i + 1} of "
+                                  f"{config.sft.steps}): no checkpoint yet; to start over, {restart_hint}",
+                                  signals.exit_status())
     return state.model()
+
+
+def run_sft(config: TrainConfig) -> Path:
+    """`opd-jax sft`: the warm start alone, in a run directory of its own (checked and locked as
+    every run's; never another command's or a finished one); returns the exported model's path."""
+    from opd_jax.config import ConfigError, dump_config
+    from opd_jax.models import save_model
+    from opd_jax.train.build import build_model
+    from opd_jax.train.preflight import check_run_inputs
+    from opd_jax.train.run_dir import RunDirectory
+
+    if config.sft.steps == 0:
+        raise ConfigError("sft.steps is 0: nothing to train")
+    check_run_inputs(mesh=config.mesh, models={"model": config.model}, data=config.data,
+                     max_new_tokens=0)
+    run_dir = Path(config.logging.run_dir)
+    directory = RunDirectory(run_dir, "sft").open(resume=False)
+    status = "failed"
+    try:
+        directory.record_config(dump_config(config))
+        policy, tokenizer = build_model(config.model)
+        with signals.stop_at_step_boundary():
+            policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
+        out = save_model(policy, run_dir / "sft_policy", tokenizer)
+        status = "finished"
+    except Interrupted:
+        status = "interrupted"
+        raise
+    finally:
+        directory.close(status)
+    return out

@@ -1,0 +1,94 @@
+"""Every input of a run checked before any work: before the model is built and before the run
+directory is created or touched. Each problem is one line naming the key, the file:line or the
+sample: the mesh against the devices, every model path (and that it holds a model), the reward
+function's import, every prompt file (existence, UTF-8, JSON, fields) and every prompt's length
+against the model's context."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from opd_jax.config import ConfigError, DataSection, ModelSection
+from opd_jax.data import read_jsonl
+from opd_jax.data.sources import DataError
+from opd_jax.models import Tokenizer, resolve_model_path
+from opd_jax.models.char_tokenizer import char_tokenizer
+from opd_jax.models.config import ModelConfig, ModelFormatError
+from opd_jax.parallel import MeshConfig, make_mesh
+from opd_jax.rewards import load_reward_fn
+from opd_jax.train.build import encode_prompt
+
+
+def check_mesh(key: str, mesh: MeshConfig) -> None:
+    try:
+        make_mesh(mesh)
+    except ValueError as e:
+        raise type(e)(f"{key}: {e}") from None
+
+
+def check_model(key: str, section: ModelSection) -> tuple[Tokenizer | None, int | None]:
+    """The model section's tokenizer and context length, read without loading its weights (None
+    for a GGUF file, whose metadata is read with its weights when the model is built)."""
+    if section.fresh is not None:
+        return char_tokenizer(), section.fresh.max_position_embeddings
+    try:
+        path = resolve_model_path(section.path)
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{key}.path: {e}") from None
+    if not path.exists():
+        raise ModelFormatError(f"{key}.path: {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelFormatError(f"{key}.path: {path} is neither a Hugging Face model directory nor a .gguf file")
+        return None, None
+    if not (path / "config.json").is_file():
+        raise ModelFormatError(f"{key}.path: {path} holds no config.json (not a Hugging Face model directory)")
+    config = ModelConfig.from_json(path / "config.json")
+    return Tokenizer.from_dir(path), config.max_position_embeddings
+
+
+def check_reward_fn(key: str, path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        load_reward_fn(path)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def check_data(data: DataSection, tokenizer: Tokenizer | None, context: int | None, max_new_tokens: int) -> None:
+    """Every JSONL prompt file of the data section parses, and every prompt (train and held-out)
+    leaves room for max_new_tokens in the model's context."""
+    for i, spec in enumerate(data.train):
+        for field in ("jsonl", "eval_jsonl"):
+            file = getattr(spec, field)
+            if file is None:
+                continue
+            examples = read_jsonl(file)
+            if tokenizer is None or context is None:
+                continue
+            for example in examples:
+                try:
+                    length = len(encode_prompt(example, tokenizer, data.chat_template))
+                except ValueError as e:  # no chat template, ...
+                    raise DataError(f"{Path(file)}:{_line(example.uid)}: {e}") from None
+                if length + max_new_tokens > context:
+                    raise DataError(f"{Path(file)}:{_line(example.uid)}: the prompt is {length} tokens; with "
+                                    f"rollout.max_new_tokens {max_new_tokens} that is more than the model's context of "
+                                    f"{context} (data.train[{i}].{field})")
+
+
+def _line(uid: str) -> str:
+    return uid.rpartition(":")[2]
+
+
+def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,
+                     max_new_tokens: int) -> None:
+    """All of a run's inputs; `models` maps each model's config key to its section, the first
+    being the one that reads the prompts of `data` (the config's `data` section)."""
+    check_mesh("mesh", mesh)
+    described = [check_model(key, section) for key, section in models.items()]
+    check_reward_fn("data.reward_fn", data.reward_fn)
+    tokenizer, context = described[0] if described else (None, None)
+    check_data(data, tokenizer, context, max_new_tokens)

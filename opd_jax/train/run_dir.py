@@ -1,0 +1,189 @@
+"""A run directory that cannot be mixed up.
+
+- One process at a time: `lock` holds an exclusive `flock` on `<run_dir>/.lock` for the life of
+  the run; a second process is refused with a message naming the holder (command, pid, host,
+  start time).
+- One command per directory: `run.json` records which command owns it (train, sft, merge), its
+  status (running, finished, interrupted, failed) and every attempt. A new run never writes into
+  another command's run, a finished run, or a run with checkpoints; `--resume` needs a run of
+  the same command with a checkpoint.
+- The config history: each attempt's resolved config is kept as `config_history/<n>.yaml`
+  (`config.yaml` is the latest), so a resume never loses the config the earlier steps ran with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from opd_jax.train.errors import RunDirError
+
+MANIFEST = "run.json"
+LOCK = ".lock"
+HISTORY = "config_history"
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the completed checkpoints in a run directory (orbax names each by its step and
+    writes it under a temporary name until complete), newest last."""
+    directory = run_dir / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def lock(run_dir: Path, command: str) -> Any:
+    """An exclusive lock on the directory (created if missing), released when the returned file
+    is closed (or the process dies). A held lock raises RunDirError naming its holder."""
+    handle = _acquire(run_dir)
+    _announce(handle, command)
+    return handle
+
+
+def _acquire(run_dir: Path) -> Any:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = (run_dir / LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        handle.seek(0)
+        try:
+            holder = json.loads(handle.read() or "{}")
+        except json.JSONDecodeError:
+            holder = {}
+        handle.close()
+        who = (f"`opd-jax {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+               f"since {holder.get('since', '?')})")
+        raise RunDirError(f"{run_dir} is in use by {who}; wait for it to end or choose another logging.run_dir") from None
+    return handle
+
+
+def _announce(handle: Any, command: str) -> None:
+    """Say in the lock file who holds it (what a refused process reports)."""
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(), "since": _now()}))
+    handle.flush()
+
+
+class RunDirectory:
+    """The run directory of one command invocation. `open` takes the lock and checks that this
+    command may start (or resume) here; `record_config` keeps the attempt's config; `close`
+    records how the attempt ended and releases the lock."""
+
+    def __init__(self, path: str | Path, command: str):
+        self.path, self.command = Path(path), command
+        self._lock = None
+        self.manifest: dict[str, Any] = {}
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def open(self, *, resume: bool, check: Callable[[RunDirectory], None] | None = None) -> RunDirectory:
+        """Lock the directory, check that this command may start (resume) here, run `check` (more
+        checks, still before anything is written), then record the attempt in run.json."""
+        if resume and not self.path.is_dir():
+            raise RunDirError(f"{self.path} does not exist: nothing to resume (check logging.run_dir)")
+        self._lock = _acquire(self.path)
+        try:
+            self.manifest = self._read_manifest()
+            self._check(resume)
+            if check is not None:
+                check(self)
+        except BaseException:
+            self._release()
+            raise
+        _announce(self._lock, self.command)
+        attempts = self.manifest.setdefault("attempts", [])
+        if not resume and attempts:  # a same-command run that stopped before its first checkpoint
+            self.manifest["attempts"] = attempts = []
+        self.manifest.update(command=self.command, status="running")
+        attempts.append({"started": _now(), "pid": os.getpid(), "host": socket.gethostname(),
+                         "argv": sys.argv, "resumed_from": checkpoint_steps(self.path)[-1] if resume else None})
+        self._write_manifest()
+        return self
+
+    def _read_manifest(self) -> dict[str, Any]:
+        path = self.path / MANIFEST
+        if not path.exists():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise RunDirError(f"{path} is not valid JSON; it records which command owns {self.path}: restore it or "
+                              f"choose another logging.run_dir") from None
+
+    def _check(self, resume: bool) -> None:
+        owner, status = self.manifest.get("command"), self.manifest.get("status")
+        steps = checkpoint_steps(self.path)
+        where = str(self.path)
+        if owner is not None and owner != self.command:
+            raise RunDirError(f"{where} holds an `opd-jax {owner}` run ({status}); `opd-jax {self.command}` will not "
+                              f"write into it: choose another logging.run_dir")
+        if resume:
+            if not steps:
+                raise RunDirError(f"{where} holds no checkpoint: nothing to resume (the run stopped before its "
+                                  f"first one); start it again without --resume")
+            return
+        if status == "finished":
+            raise RunDirError(f"{where} holds a finished `opd-jax {self.command}` run; choose another "
+                              f"logging.run_dir (or --resume with more steps to train it further)")
+        if steps:
+            raise RunDirError(f"{where} already holds checkpoints (latest: step {steps[-1]}); pass --resume to "
+                              f"continue it or choose another logging.run_dir")
+        if owner is None and (self.path / "metrics.jsonl").exists():
+            raise RunDirError(f"{where} holds the files of an earlier run; choose another logging.run_dir")
+
+    # -- during the run ------------------------------------------------------------------------
+
+    def record_config(self, text: str) -> Path:
+        """Keep this attempt's resolved config (YAML text) in the history and as config.yaml."""
+        number = len(self.manifest["attempts"])
+        history = self.path / HISTORY
+        history.mkdir(exist_ok=True)
+        kept = history / f"{number}.yaml"
+        kept.write_text(text)
+        shutil.copyfile(kept, self.path / "config.yaml")
+        self.manifest["attempts"][-1]["config"] = f"{HISTORY}/{number}.yaml"
+        self._write_manifest()
+        return kept
+
+    def previous_config(self) -> str | None:
+        path = self.path / "config.yaml"
+        return path.read_text() if path.exists() else None
+
+    def close(self, status: str, **details: Any) -> None:
+        """Record how this attempt ended ("finished", "interrupted", "failed") and release the lock."""
+        if self._lock is None:
+            return
+        self.manifest["status"] = status
+        self.manifest["attempts"][-1].update(ended=_now(), status=status, **details)
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that ended the run
+            self._write_manifest()
+        self._release()
+
+    def _write_manifest(self) -> None:
+        path = self.path / MANIFEST
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.manifest, indent=2))
+        tmp.replace(path)
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None

@@ -1,0 +1,45 @@
+"""Stop at a step boundary on SIGINT (Ctrl-C) or SIGTERM (what schedulers send): the handlers
+only record the request; the run loop saves a checkpoint at the next boundary and stops. A
+second Ctrl-C stops at once (KeyboardInterrupt)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+_requested: list[int] = []
+
+
+def requested() -> str | None:
+    """The name of the signal that asked the run to stop (SIGINT, SIGTERM), or None."""
+    return signal.Signals(_requested[0]).name if _requested else None
+
+
+def exit_status() -> int:
+    """The shell's status for a process stopped by the requested signal: 128 + its number."""
+    return 128 + (_requested[0] if _requested else signal.SIGINT)
+
+
+def _handle(signum: int, frame) -> None:
+    if _requested and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    _requested.append(signum)
+
+
+@contextlib.contextmanager
+def stop_at_step_boundary() -> Iterator[None]:
+    """Within this block SIGINT and SIGTERM are recorded (see `requested`), not fatal. Outside the
+    main thread (a notebook's worker, say) signals cannot be caught, and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _requested.clear()
+    previous = {s: signal.signal(s, _handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _requested.clear()

@@ -1,0 +1,273 @@
+"""Runs that cannot be mixed up or lost, driven through the CLI as a user drives it: each fault
+and bad input is one line naming the problem (exit status 2, no traceback) and leaves the run
+directory's files as they were; SIGTERM/SIGINT stop at a step boundary with a checkpoint and the
+resumed run equals an uninterrupted one bit for bit; an unreadable latest checkpoint falls back
+to the previous one; a full disk says so and leaves no partial checkpoint."""
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from train_loop_settings import TINY
+from typer.testing import CliRunner
+
+from opd_jax.cli import app
+from opd_jax.config import load_config
+from opd_jax.train import train
+from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.metrics import read_metrics
+from opd_jax.train.run_dir import RunDirectory, checkpoint_steps, lock
+
+# long enough to signal mid-run: checkpoints at 2, 4, ... and at the end
+RUN = [*TINY, "steps=12", "sft.steps=2", "checkpoint.every=2", "checkpoint.keep=3", "logging.eval_every=6"]
+TIMING = ("rollout/tokens_per_s", "rollout/wait_s", "rollout/refit_s")
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "1000"})
+
+
+def one_line_error(result, *needles, started=False):
+    """Exit status 2, no traceback, one `error: ` line holding every needle; the only line, unless
+    the run had `started` (then its notes come before)."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == lines[-1] and (started or len(lines) == 1), result.output
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+def hashes(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def state_of(run_dir: Path, like_dir: Path):
+    """The final checkpoint's state and metadata, restored into the shapes of like_dir's config."""
+    from opd_jax.core import PPOState, make_optimizer
+    from opd_jax.train import build_critic, build_model
+    config = load_config(like_dir / "config.yaml")
+    policy, _ = build_model(config.model)
+    like = PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
+                           make_optimizer(config.algorithm.critic_optimizer))
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=3)
+    try:
+        return checkpoints.restore(checkpoints.latest_step(), like)
+    finally:
+        checkpoints.close()
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    assert strip(read_metrics(a / "metrics.jsonl")) == strip(read_metrics(b / "metrics.jsonl"))
+    (x, meta_x), (y, meta_y) = state_of(a, a), state_of(b, a)
+    assert meta_x == meta_y and int(x.step) == int(y.step)
+    for u, v in zip(jax.tree.leaves((x.policy, x.critic, x.policy_opt, x.critic_opt)),
+                    jax.tree.leaves((y.policy, y.critic, y.policy_opt, y.critic_opt)), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run the interrupted ones must equal."""
+    return train(load_config(None, [*RUN, f"logging.run_dir={tmp_path_factory.mktemp('straight')}"]))
+
+
+# -- run directories ---------------------------------------------------------------------------
+
+def test_a_second_process_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = lock(run_dir, "train")  # another process's lock (flock: per open file, so this process too)
+    try:
+        before = hashes(run_dir)
+        one_line_error(cli("train", *RUN, f"logging.run_dir={run_dir}"), "is in use by `opd-jax train`",
+                       f"pid {os.getpid()}")
+        assert hashes(run_dir) == before
+    finally:
+        holder.close()
+
+
+def test_a_finished_run_is_never_written_into(straight):
+    before = hashes(straight)
+    one_line_error(cli("sft", *RUN, f"logging.run_dir={straight}"), "holds an `opd-jax train` run (finished)")
+    one_line_error(cli("train", *RUN, f"logging.run_dir={straight}"), "holds a finished `opd-jax train` run")
+    one_line_error(cli("train", *RUN, f"logging.run_dir={straight}", "--resume"), "has run 12 of 12 steps",
+                   "nothing to resume")
+    changed = cli("train", *RUN, f"logging.run_dir={straight}", "--resume", "steps=14", "model.fresh.hidden_size=32")
+    assert changed.exit_code == 2 and "Traceback" not in changed.output
+    assert changed.output.startswith("error: the resumed run's config changes model.fresh.hidden_size, which a "
+                                     "resume cannot honour"), changed.output
+    assert "model.fresh.hidden_size: 64 -> 32" in changed.output and "steps: 12 -> 14" in changed.output
+    assert hashes(straight) == before
+
+
+def test_resume_needs_a_run_to_resume(tmp_path):
+    one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'typo'}", "--resume"), "does not exist",
+                   "nothing to resume")
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "empty").mkdir()
+    one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'empty'}", "--resume"), "holds no checkpoint")
+
+
+def test_resume_with_a_changed_config_keeps_the_config_history(straight, tmp_path):
+    run_dir = tmp_path / "longer"
+    shutil.copytree(straight, run_dir)
+    result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "steps=14")
+    assert result.exit_code == 0, result.output
+    assert "resuming with a changed config" in result.output and "steps: 12 -> 14" in result.output
+    assert load_config(run_dir / "config_history" / "1.yaml").steps == 12
+    assert load_config(run_dir / "config_history" / "2.yaml").steps == 14
+    assert load_config(run_dir / "config.yaml").steps == 14
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["status"] == "finished" and [a["resumed_from"] for a in manifest["attempts"]] == [None, 12]
+    assert checkpoint_steps(run_dir)[-1] == 14
+    # a model of another shape: refused unless forced, and forced, the checkpoint says what does not fit
+    before = hashes(run_dir)
+    forced = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "--force", "steps=16",
+                 "model.fresh.hidden_size=32")
+    lines = [line for line in forced.output.splitlines() if line.startswith("error: ")]
+    assert forced.exit_code == 2 and "Traceback" not in forced.output and len(lines) == 1, forced.output
+    assert "checkpoint step 14 does not fit this config" in lines[0] and "in the checkpoint" in lines[0], lines[0]
+    assert checkpoint_steps(run_dir) == [10, 12, 14] and (run_dir / "config.yaml").read_bytes() == \
+        (run_dir / "config_history" / "2.yaml").read_bytes()
+    saved = lambda files: {k: v for k, v in files.items() if "checkpoints/" in k and "orbax.log" not in k}  # noqa: E731
+    assert saved(hashes(run_dir)) == saved(before)
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+def _signal_run(run_dir: Path, sig: int, wait_for: str, *extra: str) -> subprocess.CompletedProcess:
+    """`opd-jax train` in its own process, sent `sig` once `wait_for` (a file of the run) has a line."""
+    env = {**os.environ, "COLUMNS": "1000"}
+    process = subprocess.Popen([sys.executable, "-m", "opd_jax.cli", "train", *RUN, f"logging.run_dir={run_dir}",
+                                *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    target = run_dir / wait_for
+    while not (target.exists() and target.read_text().strip()):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    # only the end is scheduled for a checkpoint: the one found after the signal is the signal's
+    stopped = _signal_run(run_dir, signal.SIGTERM, "metrics.jsonl", "checkpoint.every=100")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGTERM after step "), stopped.stderr
+    step = int(last.split("after step ")[1].split()[0])
+    assert 1 <= step < 12 and checkpoint_steps(run_dir) == [step]
+    assert f"checkpoint saved (step {step})" in last
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+    hint = shlex.split(last.split("continue with: ")[1])
+    assert hint[0] == "opd-jax" and "--resume" in hint
+    resumed = cli(*hint[1:])  # the command it printed, as printed
+    assert resumed.exit_code == 0, resumed.output
+    assert_same_run(straight, run_dir)
+
+
+def test_sigint_during_the_warm_start_stops_and_the_run_can_start_over(tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = _signal_run(run_dir, signal.SIGINT, "sft_metrics.jsonl", "sft.steps=100000")
+    assert stopped.returncode == 128 + signal.SIGINT and "Traceback" not in stopped.stderr, stopped.stderr
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGINT during the warm start (SFT step ") and "no checkpoint yet" in last, last
+    one_line_error(cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume"), "holds no checkpoint")
+    RunDirectory(run_dir, "train").open(resume=False).close("failed")  # a new attempt may start here
+
+
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    train(load_config(None, [*RUN, f"logging.run_dir={run_dir}"]), stop_after=5)  # "killed": checkpoints 2, 4
+    for file in (run_dir / "checkpoints" / "4" / "state").rglob("*"):
+        if file.is_file():
+            file.write_bytes(b"\0garbage")
+    result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.output.splitlines() if "is unreadable" in line]
+    assert len(notes) == 1 and notes[0].startswith("checkpoint step 4 is unreadable"), result.output
+    assert "resuming" in result.output and "from step 2" in result.output
+    assert "Traceback" not in result.output and "tensorstore" not in result.output.lower()
+    assert (run_dir / "checkpoints_unreadable" / "4" / "state").is_dir()  # kept, not deleted
+    assert_same_run(straight, run_dir)
+
+
+def test_a_full_disk_is_reported_and_leaves_no_partial_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        result = cli("train", *RUN, f"logging.run_dir={disk / 'run'}")
+        one_line_error(result, "no space left on device while saving checkpoint step 2", "the partial checkpoint was "
+                       "removed", "there is no complete checkpoint yet", "run the same command again", started=True)
+        assert not [p for p in (disk / "run" / "checkpoints").iterdir() if "tmp" in p.name]
+        assert json.loads((disk / "run" / "run.json").read_text())["status"] == "failed"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+# -- inputs checked before any work ------------------------------------------------------------
+
+def test_bad_inputs_are_named_before_anything_is_built(tmp_path):
+    run_dir = tmp_path / "run"
+    binary = tmp_path / "latin1.jsonl"
+    binary.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "9" * 600,
+                                                                                        "answer": "1"}) + "\n")
+    cases = [
+        (["mesh.data=3"], ["mesh (data=3, fsdp=2, tensor=2) needs 12 devices but 8 are available"]),
+        (["model.fresh=null", f"model.path={tmp_path / 'nope'}"], ["model.path:", "does not exist"]),
+        (["data.reward_fn=no_such_module:score"], ["data.reward_fn:", "cannot import 'no_such_module'"]),
+        ([f"data.train=[{{jsonl: {binary}}}]"], [f"{binary}:2: not UTF-8 text (byte 0xe9 at column 16)"]),
+        ([f"data.train=[{{jsonl: {long}}}]"], [f"{long}:2: the prompt is 600 tokens",
+                                              "rollout.max_new_tokens 4", "context of 512"]),
+    ]
+    for extra, needles in cases:
+        one_line_error(cli("train", *RUN, f"logging.run_dir={run_dir}", *extra), *needles)
+        assert not run_dir.exists(), extra
+
+
+def test_a_bad_reward_names_the_function_and_the_sample_or_is_skipped(tmp_path):
+    one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'a'}", "data.reward_fn=bad_reward:raises"),
+                   "reward function bad_reward:raises raised KeyError: 'score_table' on sample max/eval/0 "
+                   "(domain 'max')", started=True)
+    one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'b'}", "logging.eval_at_start=false",
+                       "data.reward_fn=bad_reward:none_on_odd_length"),
+                   "reward function bad_reward:none_on_odd_length returned None (NoneType) on sample max/train/",
+                   "data.on_bad_reward: skip", started=True)
+    result = cli("train", *RUN, f"logging.run_dir={tmp_path / 'c'}", "steps=3", "logging.eval_every=3",
+                 "data.reward_fn=bad_reward:none_on_odd_length", "data.on_bad_reward=skip")
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(tmp_path / "c" / "metrics.jsonl")
+    steps = [r for r in rows if "reward_mean" in r]
+    assert sum(r["reward/bad_samples"] for r in steps) > 0 and all(np.isfinite(r["policy/loss"]) for r in steps)
+    assert rows[-1]["eval/max/bad_samples"] + 0 >= 0 and np.isfinite(rows[-1]["eval/accuracy"])
+
+
+def test_a_source_without_held_out_prompts_logs_no_accuracy(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"max {a} {b} {c}:", "answer": str(max(a, b, c))}) + "\n"
+                            for a, b, c in [(1, 2, 3), (4, 0, 2), (7, 8, 1), (5, 5, 9)]))
+    result = cli("train", *RUN, f"logging.run_dir={tmp_path / 'run'}", f"data.train=[{{jsonl: {data}}}]", "steps=2")
+    assert result.exit_code == 0, result.output
+    assert not any(k.startswith("eval/") for r in read_metrics(tmp_path / "run" / "metrics.jsonl") for k in r)
+    assert "held-out accuracy: none" in result.output
