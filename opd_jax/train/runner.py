@@ -222,6 +222,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
     score_fn = step_fn = None
     if start == 0 and config.logging.eval_at_start:
         began = time.perf_counter()
+        log.note("held-out evaluation")
         log.log(0, session.evaluate(0), advance=False)
         _add(phases, "evaluation", time.perf_counter() - began)
     for step in range(start, config.steps):
@@ -245,6 +246,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
         _add(phases, "first step (compiles)" if compiling else "steps", time.perf_counter() - began)
         if done % config.logging.eval_every == 0 or done == config.steps:
             evaluated = time.perf_counter()
+            log.note("held-out evaluation")
             metrics.update(session.evaluate(done))
             _add(phases, "evaluation", time.perf_counter() - evaluated)
         log.log(done, metrics)
