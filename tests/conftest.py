@@ -11,3 +11,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+    """The loop tests' tiny run (train_loop_settings: TINY + RESUME_ARGS), uninterrupted: what every
+    interrupted and resumed run must equal. Shared, so never write into it."""
+    from train_loop_settings import RESUME_ARGS, TINY
+
+    from opd_jax.config import load_config
+    from opd_jax.train import train
+    return train(load_config(None, [*TINY, *RESUME_ARGS, f"logging.run_dir={tmp_path_factory.mktemp('straight')}"]))

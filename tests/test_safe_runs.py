@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from train_loop_settings import TINY
+from train_loop_settings import RESUME_ARGS, TINY
 from typer.testing import CliRunner
 
 from opd_jax.cli import app
@@ -28,8 +28,8 @@ from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.metrics import read_metrics
 from opd_jax.train.run_dir import RunDirectory, checkpoint_steps, lock
 
-# long enough to signal mid-run: checkpoints at 2, 4, ... and at the end
-RUN = [*TINY, "steps=12", "sft.steps=2", "checkpoint.every=2", "checkpoint.keep=3", "logging.eval_every=6"]
+# the loop tests' run (conftest's straight_run): 6 steps, checkpoints at 2, 4, 6 (3 kept)
+RUN = [*TINY, *RESUME_ARGS]
 TIMING = ("rollout/tokens_per_s", "rollout/wait_s", "rollout/refit_s")
 
 
@@ -80,10 +80,10 @@ def assert_same_run(a: Path, b: Path) -> None:
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The uninterrupted run the interrupted ones must equal."""
-    return train(load_config(None, [*RUN, f"logging.run_dir={tmp_path_factory.mktemp('straight')}"]))
+@pytest.fixture
+def straight(straight_run):
+    """The uninterrupted run the interrupted ones must equal (shared: never written into)."""
+    return straight_run
 
 
 # -- run directories ---------------------------------------------------------------------------
@@ -104,13 +104,13 @@ def test_a_finished_run_is_never_written_into(straight):
     before = hashes(straight)
     one_line_error(cli("sft", *RUN, f"logging.run_dir={straight}"), "holds an `opd-jax train` run (finished)")
     one_line_error(cli("train", *RUN, f"logging.run_dir={straight}"), "holds a finished `opd-jax train` run")
-    one_line_error(cli("train", *RUN, f"logging.run_dir={straight}", "--resume"), "has run 12 of 12 steps",
+    one_line_error(cli("train", *RUN, f"logging.run_dir={straight}", "--resume"), "has run 6 of 6 steps",
                    "nothing to resume")
-    changed = cli("train", *RUN, f"logging.run_dir={straight}", "--resume", "steps=14", "model.fresh.hidden_size=32")
+    changed = cli("train", *RUN, f"logging.run_dir={straight}", "--resume", "steps=8", "model.fresh.hidden_size=32")
     assert changed.exit_code == 2 and "Traceback" not in changed.output
     assert changed.output.startswith("error: the resumed run's config changes model.fresh.hidden_size, which a "
                                      "resume cannot honour"), changed.output
-    assert "model.fresh.hidden_size: 64 -> 32" in changed.output and "steps: 12 -> 14" in changed.output
+    assert "model.fresh.hidden_size: 64 -> 32" in changed.output and "steps: 6 -> 8" in changed.output
     assert hashes(straight) == before
 
 
@@ -125,23 +125,23 @@ def test_resume_needs_a_run_to_resume(tmp_path):
 def test_resume_with_a_changed_config_keeps_the_config_history(straight, tmp_path):
     run_dir = tmp_path / "longer"
     shutil.copytree(straight, run_dir)
-    result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "steps=14")
+    result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "steps=8")
     assert result.exit_code == 0, result.output
-    assert "resuming with a changed config" in result.output and "steps: 12 -> 14" in result.output
-    assert load_config(run_dir / "config_history" / "1.yaml").steps == 12
-    assert load_config(run_dir / "config_history" / "2.yaml").steps == 14
-    assert load_config(run_dir / "config.yaml").steps == 14
+    assert "resuming with a changed config" in result.output and "steps: 6 -> 8" in result.output
+    assert load_config(run_dir / "config_history" / "1.yaml").steps == 6
+    assert load_config(run_dir / "config_history" / "2.yaml").steps == 8
+    assert load_config(run_dir / "config.yaml").steps == 8
     manifest = json.loads((run_dir / "run.json").read_text())
-    assert manifest["status"] == "finished" and [a["resumed_from"] for a in manifest["attempts"]] == [None, 12]
-    assert checkpoint_steps(run_dir)[-1] == 14
+    assert manifest["status"] == "finished" and [a["resumed_from"] for a in manifest["attempts"]] == [None, 6]
+    assert checkpoint_steps(run_dir)[-1] == 8
     # a model of another shape: refused unless forced, and forced, the checkpoint says what does not fit
     before = hashes(run_dir)
-    forced = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "--force", "steps=16",
+    forced = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "--force", "steps=10",
                  "model.fresh.hidden_size=32")
     lines = [line for line in forced.output.splitlines() if line.startswith("error: ")]
     assert forced.exit_code == 2 and "Traceback" not in forced.output and len(lines) == 1, forced.output
-    assert "checkpoint step 14 does not fit this config" in lines[0] and "in the checkpoint" in lines[0], lines[0]
-    assert checkpoint_steps(run_dir) == [10, 12, 14] and (run_dir / "config.yaml").read_bytes() == \
+    assert "checkpoint step 8 does not fit this config" in lines[0] and "in the checkpoint" in lines[0], lines[0]
+    assert checkpoint_steps(run_dir) == [4, 6, 8] and (run_dir / "config.yaml").read_bytes() == \
         (run_dir / "config_history" / "2.yaml").read_bytes()
     saved = lambda files: {k: v for k, v in files.items() if "checkpoints/" in k and "orbax.log" not in k}  # noqa: E731
     assert saved(hashes(run_dir)) == saved(before)
@@ -173,7 +173,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(straight, 
     last = stopped.stderr.strip().splitlines()[-1]
     assert last.startswith("stopped: SIGTERM after step "), stopped.stderr
     step = int(last.split("after step ")[1].split()[0])
-    assert 1 <= step < 12 and checkpoint_steps(run_dir) == [step]
+    assert 1 <= step < 6 and checkpoint_steps(run_dir) == [step]
     assert f"checkpoint saved (step {step})" in last
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
     hint = shlex.split(last.split("continue with: ")[1])

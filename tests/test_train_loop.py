@@ -45,8 +45,8 @@ def final_params(run_dir, like):
 TIMING = ("rollout/tokens_per_s", "rollout/wait_s", "rollout/refit_s")  # wall-clock, differs run to run
 
 
-def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
-    straight = train(config(tmp_path / "straight", *RESUME_ARGS))
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, straight_run):
+    straight = straight_run
     interrupted = config(tmp_path / "resumed", *RESUME_ARGS)
     train(interrupted, stop_after=3)  # "killed" after step 3: the last checkpoint is step 2
     with pytest.raises(RunError, match="already holds checkpoints .* pass --resume"):
@@ -89,7 +89,7 @@ def test_bad_data_and_nan_rewards_stop_the_run(tmp_path):
         train(config(tmp_path / "c", "steps=2", "data.reward_fn=nan_reward:reward", "logging.eval_at_start=false"))
 
 
-def test_a_real_kill_during_a_checkpoint_save_resumes_exactly(tmp_path):
+def test_a_real_kill_during_a_checkpoint_save_resumes_exactly(tmp_path, straight_run):
     """SIGKILL in the middle of saving step 4; the resumed run ends as an uninterrupted one."""
     import subprocess
     import sys
@@ -100,7 +100,7 @@ def test_a_real_kill_during_a_checkpoint_save_resumes_exactly(tmp_path):
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert Checkpoints(tmp_path / "killed" / "checkpoints", keep=2).latest_step() in (2, 4)
     resumed = train(config(tmp_path / "killed", *RESUME_ARGS), resume=True)
-    straight = train(config(tmp_path / "straight", *RESUME_ARGS))
+    straight = straight_run
     a, _ = final_params(straight, _like(straight))
     b, _ = final_params(resumed, _like(straight))
     for x, y in zip(jax.tree.leaves((a.policy, a.critic)), jax.tree.leaves((b.policy, b.critic))):

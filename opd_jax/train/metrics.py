@@ -110,7 +110,7 @@ def plot_curves(metrics_path: Path, out: Path) -> None:
     keys = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("accuracy")})
     for key in keys:
         points = [(r["step"], r[key]) for r in rows if key in r]
-        right.plot(*zip(*points), marker="o", label=key.removeprefix("eval/").removesuffix("/accuracy") or "all",
+        right.plot(*zip(*points), marker="o", label="all domains" if key == "eval/accuracy" else key.split("/")[1],
                    linewidth=2.5 if key == "eval/accuracy" else 1)
     right.set(title="held-out accuracy", xlabel="step", ylabel="accuracy", ylim=(-0.02, 1.02))
     if keys:
@@ -130,11 +130,11 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
         first, last = evals[0], evals[-1]
         keys = ["eval/accuracy"] + sorted(k for k in last if k.startswith("eval/") and k.endswith("/accuracy")
                                           and k.count("/") == 2)
-        width = max(len(k) for k in keys) - len("eval//accuracy") + 3
-        lines.append(f"held-out accuracy   {'':<{width}}step {first['step']:>4}   step {last['step']:>4}")
+        names = {k: k.split("/")[1] if k.count("/") == 2 else "all domains" for k in keys}
+        width = max(len("held-out accuracy"), *(2 + len(n) for n in names.values())) + 2
+        lines.append(f"{'held-out accuracy':<{width}}{'step ' + str(first['step']):>10}{'step ' + str(last['step']):>10}")
         for key in keys:
-            name = key.removeprefix("eval/").removesuffix("accuracy").strip("/") or "all domains"
-            lines.append(f"  {name:<{width + 18}}{first.get(key, float('nan')):>9.3f}   {last[key]:>9.3f}")
+            lines.append(f"{'  ' + names[key]:<{width}}{first.get(key, float('nan')):>10.3f}{last[key]:>10.3f}")
     else:
         lines.append("held-out accuracy: none (no held-out prompts)")
     lines.append("wall time: " + ", ".join(f"{name} {_duration(s)}" for name, s in phases.items())

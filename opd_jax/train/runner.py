@@ -157,8 +157,10 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
     try:
         phases = _read_phases(run_dir) if resume else {}
         setup_began = time.perf_counter()
-        say(f"opd-jax {task.command}: {'resuming' if resume else 'new run in'} {run_dir} on {jax.device_count()} "
-            f"devices (mesh {', '.join(f'{k} {v}' for k, v in mesh.shape.items() if v > 1) or 'of one'})")
+        devices = jax.device_count()
+        axes = ", ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1) or "of one"
+        say(f"opd-jax {task.command}: {'resuming' if resume else 'new run in'} {run_dir} on {devices} "
+            f"device{'s' if devices > 1 else ''} (mesh {axes})")
         timed = task.setup(run_dir, mesh, resuming=resume) or {}
         _add(phases, "setup", time.perf_counter() - setup_began - sum(timed.values()) + (setup_began - began))
         for name, seconds in timed.items():
