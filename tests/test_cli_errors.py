@@ -38,6 +38,19 @@ def test_bad_config_value_and_unknown_key(tmp_path):
                       "does not split into 2 mini-batches")
 
 
+def test_override_and_config_file_errors_name_their_source_and_the_nearest_key(tmp_path):
+    result = run_cli("train", "algorithm.ppo.surrogate.eps_hi=0.3", "rollout.samples_per_prompt=abc")
+    assert_user_error(result, "override 'algorithm.ppo.surrogate.eps_hi=0.3': algorithm.ppo.surrogate.eps_hi: "
+                              "unknown key (did you mean algorithm.ppo.surrogate.eps_high?)",
+                      "override 'rollout.samples_per_prompt=abc': rollout.samples_per_prompt: Input should be a "
+                      "valid integer")
+    config = tmp_path / "typo.yaml"
+    config.write_text("steps: 3\nrollot: {temperature: 1.0}\n")
+    assert_user_error(run_cli("train", config), f"invalid config {config}", "rollot: unknown key (did you mean rollout?)")
+    assert_user_error(run_cli("train", "zzz_nothing_like_it=1"), "zzz_nothing_like_it: unknown key")
+    assert "did you mean" not in run_cli("train", "zzz_nothing_like_it=1").output
+
+
 def test_missing_model(tmp_path):
     missing = tmp_path / "no_such_model"
     assert_user_error(run_cli("train", *TINY, f"model.path={missing}", "model.fresh=null",
