@@ -19,9 +19,26 @@ FAMILY_CONFIGS = {
                       "original_max_position_embeddings": 32}),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=False),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True),
+    # MoE: layer 0 routed (softmax top-2 of 4, renormalised), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False),
+    # every second layer routed (decoder_sparse_step 2: layers 1 and 3), gates not renormalised
+    "qwen3_moe_sparse_step": lambda: transformers.Qwen3MoeConfig(
+        **{**TINY, "num_hidden_layers": 4}, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+        norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True),
+    # GLM-4.5: sigmoid router with a selection bias, 4 groups of 2 experts (best 2 groups eligible),
+    # renormalised gates × 2.5, one shared expert, the first layer dense, half-rotary heads, q/k norm,
+    # q/k/v biases
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **{**TINY, "num_hidden_layers": 3}, head_dim=16, partial_rotary_factor=0.5, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4,
+        topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        num_nextn_predict_layers=0, tie_word_embeddings=False),
 }
 MODEL_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM}
+                 "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                 "glm4_moe": transformers.Glm4MoeForCausalLM}
 
 
 def make_hf_model(kind: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -33,6 +50,11 @@ def make_hf_model(kind: str, directory: Path, seed: int = 0) -> transformers.Pre
         for name, p in model.named_parameters():
             if p.ndim == 1:  # norms and biases: away from their 1/0 init so a missed one shows
                 p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+            elif "gate" in name and p.ndim == 2 and "proj" not in name:  # routers: decisive, so a tie never decides
+                p.copy_(0.5 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's selection-only bias
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory)
     return model
 

@@ -16,6 +16,7 @@ def saved(tmp_path_factory):
 
 
 def edited_copy(saved, tmp_path, edit):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for f in saved.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -102,3 +103,40 @@ def test_unsupported_rope_scaling(saved, tmp_path):
 def test_bad_dtype(saved):
     with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
         load_model(saved, dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("glm4_moe")
+    make_hf_model("glm4_moe", directory)
+    return directory
+
+
+def test_moe_checkpoint_that_disagrees_with_its_config(saved_moe, tmp_path):
+    fewer = edited_copy(saved_moe, tmp_path / "fewer", lambda c: c.update(n_routed_experts=4))
+    with pytest.raises(ModelFormatError, match=r"unexpected tensor 'model\.layers\.1\.mlp\.experts\.4\.[a-z_]+\.weight' "
+                                               r"\(\d+ in all\)"):
+        load_model(fewer)
+    more = edited_copy(saved_moe, tmp_path / "more", lambda c: c.update(n_routed_experts=12))
+    with pytest.raises(ModelFormatError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.8\.[a-z_]+\.weight' .* is "
+                                               r"missing"):
+        load_model(more)
+    # a router of the wrong shape, the rest as config.json says
+    from safetensors.numpy import load_file, save_file
+    router = edited_copy(saved_moe, tmp_path / "router", lambda c: None)
+    tensors = load_file(router / "model.safetensors")
+    tensors["model.layers.2.mlp.gate.weight"] = tensors["model.layers.2.mlp.gate.weight"][:7]
+    save_file(tensors, str(router / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFormatError, match=r"tensor 'model\.layers\.2\.mlp\.gate\.weight' has shape \(7, 64\), but "
+                                               r"config\.json implies \(8, 64\)"):
+        load_model(router)
+
+
+def test_unknown_moe_option(saved_moe, tmp_path):
+    path = edited_copy(saved_moe, tmp_path, lambda c: c.update(moe_layer_freq=2))
+    with pytest.raises(ModelFormatError, match=r"config\.json: MoE option 'moe_layer_freq' is not supported for "
+                                               r"glm4_moe"):
+        load_model(path)
+    path = edited_copy(saved_moe, tmp_path, lambda c: c.update(num_experts_per_tok=9))
+    with pytest.raises(ModelFormatError, match=r"experts_per_token \(9\) must be in \[1, num_experts \(8\)\]"):
+        load_model(path)

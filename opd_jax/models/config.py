@@ -1,7 +1,9 @@
 """The decoder's architecture description, read from and written to Hugging Face `config.json`.
 
-One frozen dataclass covers the Llama, Qwen2 and Qwen3 families; the family only decides defaults
-(Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm). Every error names the file and the field.
+One frozen dataclass covers the dense Llama, Qwen2 and Qwen3 families and the mixture-of-experts
+Qwen3-MoE and GLM-4.5 (`Glm4Moe`) families; the family decides defaults (Qwen2's q/k/v biases,
+Qwen3's per-head q/k RMSNorm, GLM-4.5's partial rotary embedding) and `moe` describes the experts.
+Every error names the file and the field.
 """
 
 from __future__ import annotations
@@ -12,20 +14,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opd_jax.errors import OpdJaxError
+from opd_jax.models.moe import MoEConfig
 
-Family = Literal["llama", "qwen2", "qwen3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 _FAMILY_OF_ARCHITECTURE = {v: k for k, v in _ARCHITECTURES.items()}
 
 
-def family_defaults(family: str, attention_bias: bool = False) -> dict[str, bool]:
+def family_defaults(family: str, attention_bias: bool = False, qk_norm: bool = False) -> dict[str, bool]:
     """The architecture switches a family fixes, in one place (fresh models and loaded ones):
-    Qwen2's q/k/v biases (no output bias), Qwen3's per-head q/k RMSNorm; Llama and Qwen3 take
-    `attention_bias` for q/k/v/o alike."""
+    Qwen2's q/k/v biases (no output bias), Qwen3's (and Qwen3-MoE's) per-head q/k RMSNorm; Llama
+    and Qwen3 take `attention_bias` for q/k/v/o alike; GLM-4.5 takes it for q/k/v only (its output
+    projection has no bias) and `use_qk_norm` for the q/k RMSNorm."""
+    if family == "glm4_moe":
+        return {"qkv_bias": attention_bias, "o_bias": False, "qk_norm": qk_norm}
     return {"qkv_bias": True if family == "qwen2" else attention_bias,
             "o_bias": False if family == "qwen2" else attention_bias,
-            "qk_norm": family == "qwen3"}
+            "qk_norm": family in ("qwen3", "qwen3_moe")}
 
 
 class ModelFormatError(OpdJaxError, ValueError):
@@ -63,6 +71,8 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    partial_rotary_factor: float = 1.0  # the fraction of head_dim the rotary embedding turns (GLM-4.5: 0.5)
+    moe: MoEConfig | None = None  # the experts of a MoE family (None: a dense model)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -77,6 +87,29 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelFormatError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ModelFormatError(f"partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} "
+                                   f"rotary dimensions of head_dim {self.head_dim}; it must be even and positive")
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ModelFormatError(f"family {self.family!r} {'needs' if self.moe is None else 'takes no'} a MoE config")
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.dense_layers):
+            raise ModelFormatError(f"dense layers {list(self.moe.dense_layers)} are not all in [0, {self.num_layers})")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with routed experts (none for a dense model)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.moe.dense_layers)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers with a dense MLP (every layer of a dense model)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
 
     @property
     def architecture(self) -> str:
@@ -112,6 +145,8 @@ class ModelConfig:
         if head_dim is None and isinstance(hidden, int) and isinstance(num_heads, int) and num_heads > 0:
             head_dim = hidden // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
+        num_layers = need("num_hidden_layers")
+        moe = _parse_moe(hf, family, num_layers, source)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_theta = hf.get("rope_theta")
@@ -123,7 +158,7 @@ class ModelConfig:
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
@@ -132,9 +167,12 @@ class ModelConfig:
             rope_scaling=_parse_rope_scaling(hf.get("rope_scaling") or rope_parameters, source),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            **family_defaults(family, attention_bias),
+            **family_defaults(family, attention_bias, bool(hf.get("use_qk_norm", False))),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            partial_rotary_factor=float(hf.get("partial_rotary_factor", rope_parameters.get("partial_rotary_factor",
+                                                                                         1.0))),
+            moe=moe,
         )
 
     @classmethod
@@ -177,6 +215,10 @@ class ModelConfig:
             hf["use_sliding_window"] = False
         else:
             hf["attention_bias"] = self.qkv_bias
+        if self.partial_rotary_factor != 1.0:
+            hf["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.moe is not None:
+            hf.update(_moe_to_hf(self))
         if self.rope_scaling is not None:
             s = self.rope_scaling
             hf["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor}
@@ -184,6 +226,67 @@ class ModelConfig:
                 hf["rope_scaling"].update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                                           original_max_position_embeddings=s.original_max_position_embeddings)
         return hf
+
+
+# config.json keys of each MoE family this model reads (others that name experts or routing are refused)
+_MOE_KEYS = {
+    "qwen3_moe": {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits"},
+    "glm4_moe": {"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "norm_topk_prob", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group",
+                 "first_k_dense_replace", "num_nextn_predict_layers", "router_aux_loss_coef", "output_router_logits"},
+}
+_MOE_WORDS = ("expert", "moe", "topk", "router", "routed", "scoring", "n_group", "dense_replace", "sparse")
+
+
+def _parse_moe(hf: dict[str, Any], family: str, num_layers: int, source: str) -> MoEConfig | None:
+    if family not in MOE_FAMILIES:
+        return None
+    unknown = sorted(k for k in hf if any(w in k for w in _MOE_WORDS) and k not in _MOE_KEYS[family])
+    if unknown:
+        raise ModelFormatError(f"{source}: MoE option {unknown[0]!r} is not supported for {family}"
+                               + (f" (nor {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""))
+
+    def need(*keys: str) -> Any:
+        for key in keys:
+            if key in hf:
+                return hf[key]
+        raise ModelFormatError(f"{source}: required MoE field {keys[0]!r} is missing")
+
+    experts = need("num_experts", "num_local_experts", "n_routed_experts")
+    try:
+        if family == "qwen3_moe":
+            step = int(hf.get("decoder_sparse_step", 1))
+            only = set(hf.get("mlp_only_layers") or [])
+            dense = tuple(i for i in range(num_layers) if i in only or experts <= 0 or step <= 0 or (i + 1) % step)
+            return MoEConfig(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
+                             intermediate_size=need("moe_intermediate_size"), router="softmax",
+                             norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layers=dense)
+        return MoEConfig(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
+                         intermediate_size=need("moe_intermediate_size"), router="sigmoid",
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                         n_group=int(hf.get("n_group", 1)), topk_group=int(hf.get("topk_group", 1)),
+                         score_correction_bias=True, num_shared_experts=int(hf.get("n_shared_experts", 0)),
+                         dense_layers=tuple(range(min(int(hf.get("first_k_dense_replace", 0)), num_layers))))
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{source}: {e}") from None
+
+
+def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    m = config.moe
+    shared = {"num_experts_per_tok": m.experts_per_token, "moe_intermediate_size": m.intermediate_size,
+              "norm_topk_prob": m.norm_topk_prob}
+    if config.family == "qwen3_moe":
+        return {**shared, "num_experts": m.num_experts, "decoder_sparse_step": 1,
+                "mlp_only_layers": list(m.dense_layers)}
+    first = len(m.dense_layers)
+    if m.dense_layers != tuple(range(first)):
+        raise ModelFormatError(f"glm4_moe keeps its dense layers first; dense layers {list(m.dense_layers)} "
+                               f"cannot be written as first_k_dense_replace")
+    return {**shared, "n_routed_experts": m.num_experts, "n_shared_experts": m.num_shared_experts,
+            "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.n_group, "topk_group": m.topk_group,
+            "first_k_dense_replace": first, "use_qk_norm": config.qk_norm, "num_nextn_predict_layers": 0}
 
 
 def _parse_rope_scaling(raw: dict[str, Any] | None, source: str) -> RopeScaling | None:

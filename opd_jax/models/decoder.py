@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families, in Flax NNX.
+"""The decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families and the MoE
+Qwen3-MoE and GLM-4.5 families, in Flax NNX.
 
 Layer weights are stacked along a leading "layers" axis and the forward pass is one `lax.scan`
 over them, so a 30-layer model compiles as fast as a 1-layer one. Every parameter carries
@@ -11,6 +12,7 @@ plain forward (slots = the T input tokens), a prefill into a KV cache, and one-t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import chex
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.moe import experts_ragged, route
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
@@ -67,7 +70,9 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any, axes: tuple[str, .
 
 
 class LayerStack(nnx.Module):
-    """All decoder layers' weights, each stacked along a leading layer axis."""
+    """All decoder layers' weights, each stacked along a leading layer axis: attention and norms
+    over every layer; the dense MLP over the dense layers; router and experts over the MoE layers
+    (`config.moe_layers`), each expert weight with an "expert" axis."""
 
     def __init__(self, config: ModelConfig, *, param_dtype: Any, rngs: nnx.Rngs):
         L, H, I = config.num_layers, config.hidden_size, config.intermediate_size
@@ -88,12 +93,55 @@ class LayerStack(nnx.Module):
             self.q_norm = p((L, d), ("layers", "norm"), "ones")
             self.k_norm = p((L, d), ("layers", "norm"), "ones")
         self.mlp_norm = p((L, H), ("layers", "norm"), "ones")
-        self.gate = p((L, H, I), ("layers", "embed", "mlp"))
-        self.up = p((L, H, I), ("layers", "embed", "mlp"))
-        self.down = p((L, I, H), ("layers", "mlp", "embed"))
+        Ld = len(config.dense_layers)
+        if Ld:
+            self.gate = p((Ld, H, I), ("layers", "embed", "mlp"))
+            self.up = p((Ld, H, I), ("layers", "embed", "mlp"))
+            self.down = p((Ld, I, H), ("layers", "mlp", "embed"))
+        if config.moe is not None:
+            m, Lm = config.moe, len(config.moe_layers)
+            E, Im = m.num_experts, m.intermediate_size
+            self.router = p((Lm, H, E), ("layers", "embed", None))
+            if m.score_correction_bias:
+                self.router_bias = p((Lm, E), ("layers", None), "zeros")
+            self.expert_gate = p((Lm, E, H, Im), ("layers", "expert", "embed", "mlp"))
+            self.expert_up = p((Lm, E, H, Im), ("layers", "expert", "embed", "mlp"))
+            self.expert_down = p((Lm, E, Im, H), ("layers", "expert", "mlp", "embed"))
+            if m.num_shared_experts:
+                Is = m.num_shared_experts * Im
+                self.shared_gate = p((Lm, H, Is), ("layers", "embed", "mlp"))
+                self.shared_up = p((Lm, H, Is), ("layers", "embed", "mlp"))
+                self.shared_down = p((Lm, Is, H), ("layers", "mlp", "embed"))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+_DENSE_MLP = ("gate", "up", "down")
+_MOE_MLP = ("router", "router_bias", "expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
+            "shared_down")
+
+
+def _dense_mlp(h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    gated = jax.nn.silu(jnp.einsum("bth,hi->bti", h, w["gate"])) * jnp.einsum("bth,hi->bti", h, w["up"])
+    return jnp.einsum("bti,ih->bth", gated, w["down"])
+
+
+def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced: jax.Array | None,
+             replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Routed experts (+ shared experts) on h [B, T, H]; returns (output, expert ids [B, T, k]).
+    forced/replay: expert ids [B, T, k] to use where replay [B, T] is set (routing replay)."""
+    B, T, H = h.shape
+    flat = h.reshape(B * T, H)
+    logits = jnp.einsum("nh,he->ne", flat.astype(jnp.float32), w["router"].astype(jnp.float32))
+    ids, gates = route(logits, config.moe, w.get("router_bias"))
+    if forced is not None:
+        chosen = jnp.where(replay.reshape(-1, 1), forced.reshape(B * T, -1), ids)
+        ids, gates = route(logits, config.moe, w.get("router_bias"), forced=chosen)
+    out = experts_ragged(flat, ids, gates, w["expert_gate"], w["expert_up"], w["expert_down"]).reshape(B, T, H)
+    if "shared_gate" in w:
+        out = out + _dense_mlp(h, {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]})
+    return out, ids.reshape(B, T, -1)
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -108,13 +156,12 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> 
     return out.reshape(B, T, n, d)
 
 
-def _layer(config: ModelConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
-           inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
-           layer: jax.Array | None, write_at: jax.Array | None):
-    """One pre-norm block. With a cache, k/v are written into the all-layer cache arrays in place
-    (at [layer, :, write_at]) and the layer's whole slot range is attended over."""
+def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
+                     inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
+                     layer: jax.Array | None, write_at: jax.Array | None):
+    """x + attention(norm(x)). With a cache, k/v are written into the all-layer cache arrays in
+    place (at [layer, :, write_at]) and the layer's whole slot range is attended over."""
     dt = x.dtype
-    w = {name: value.astype(dt) for name, value in p.items()}
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
     q = jnp.einsum("bth,hnd->btnd", h, w["q"])
     k = jnp.einsum("bth,hnd->btnd", h, w["k"])
@@ -137,11 +184,23 @@ def _layer(config: ModelConfig, p: dict[str, jax.Array], x: jax.Array, positions
     out = jnp.einsum("btnd,ndh->bth", attn, w["o"])
     if config.o_bias:
         out = out + w["o_bias"]
-    x = x + out
-    h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
-    gated = jax.nn.silu(jnp.einsum("bth,hi->bti", h, w["gate"])) * jnp.einsum("bth,hi->bti", h, w["up"])
-    x = x + jnp.einsum("bti,ih->bth", gated, w["down"])
-    return x, cache_kv
+    return x + out, cache_kv
+
+
+def _segments(config: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """Runs of consecutive layers of one kind: (kind, first layer, end layer, the run's first
+    index in its kind's stack). A dense model is one run; GLM-4.5 (dense layers first) is two."""
+    runs: list[tuple[str, int, int, int]] = []
+    moe = set(config.moe_layers)
+    seen = {"dense": 0, "moe": 0}
+    for i in range(config.num_layers):
+        kind = "moe" if i in moe else "dense"
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], i + 1, runs[-1][3])
+        else:
+            runs.append((kind, i, i + 1, seen[kind]))
+        seen[kind] += 1
+    return runs
 
 
 class Backbone(nnx.Module):
@@ -157,7 +216,9 @@ class Backbone(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, cache: KVCache | None = None,
-                 unroll: int | bool = 1) -> tuple[jax.Array, KVCache | None]:
+                 unroll: int | bool = 1, routing: jax.Array | None = None, replay: jax.Array | None = None,
+                 return_routing: bool = False) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None,
+                                                                                           jax.Array]:
         """Final hidden states [B, T, hidden] (and the updated cache when one is given).
 
         tokens: int [B, T]. positions: int [B, T], default 0..T-1. attention_mask: [B, T], 1 for
@@ -165,6 +226,8 @@ class Backbone(nnx.Module):
         at slots cache.length .. cache.length+T-1 and attend to every earlier valid slot.
         unroll: layers per scan iteration (True: all). Unrolling compiles slower but lets XLA
         fuse across layers; it pays off in training steps (the backward of a scan is slower).
+        MoE models: routing [B, T, moe layers, k] expert ids used where replay [B, T] is set
+        (routing replay, R3); return_routing adds the expert ids used, [B, T, moe layers, k].
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -185,21 +248,43 @@ class Backbone(nnx.Module):
         x = self.embed[...].astype(dt)[tokens]
         inv_freq = jnp.asarray(inverse_frequencies(config))
         params = self.layers.arrays()
+        attention = {k: v for k, v in params.items() if k not in _DENSE_MLP + _MOE_MLP}
+        mlp = {"dense": {k: params[k] for k in _DENSE_MLP if k in params},
+               "moe": {k: params[k] for k in _MOE_MLP if k in params}}
+        forced = None if routing is None else jnp.moveaxis(routing.astype(jnp.int32), 2, 0)  # [Lm, B, T, k]
+        if forced is not None:
+            replay = jnp.ones((B, T), bool) if replay is None else replay.astype(bool)
 
-        # The cache rides in the scan carry (not xs/ys) so XLA updates it in place instead of
-        # restacking every layer's keys and values on every decode step.
-        def body(carry, layer_in):
+        # One scan per run of consecutive layers of one kind (dense or MoE), so each scan's
+        # weights are its own stacked slices. The cache rides in the carry (not xs/ys) so XLA
+        # updates it in place instead of restacking every layer's keys and values per decode step.
+        def body(kind, carry, layer_in):
             x, kv = carry
-            p, layer = layer_in
-            x, kv = _layer(config, p, x, positions, inv_freq, allowed, kv, layer, write_at)
-            return (x, kv), None
+            p, m, f, layer = layer_in
+            w = {name: value.astype(dt) for name, value in p.items()}
+            x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at)
+            h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
+            m = {name: value if name.startswith("router") else value.astype(dt) for name, value in m.items()}
+            if kind == "dense":
+                return (x + _dense_mlp(h, m), kv), None
+            out, ids = _moe_mlp(config, h, m, f, replay)
+            return (x + out, kv), ids
 
         kv = None if cache is None else (cache.k, cache.v)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(config.num_layers)), unroll=unroll)
+        used = []
+        for kind, start, stop, first in _segments(config):
+            xs = ({k: v[start:stop] for k, v in attention.items()},
+                  {k: v[first:first + stop - start] for k, v in mlp[kind].items()},
+                  None if forced is None or kind == "dense" else forced[first:first + stop - start],
+                  jnp.arange(start, stop))
+            (x, kv), ids = jax.lax.scan(functools.partial(body, kind), (x, kv), xs, unroll=unroll)
+            if ids is not None:
+                used.append(ids)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
-        if cache is None:
-            return x, None
-        return x, KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T)
+        new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T)
+        if return_routing:
+            return x, new_cache, jnp.moveaxis(jnp.concatenate(used), 0, 2) if used else None
+        return x, new_cache
 
 
 class Decoder(nnx.Module):

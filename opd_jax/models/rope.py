@@ -19,7 +19,7 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     `factor`, shorter than original_len/high_freq_factor are kept, and the band between is blended
     linearly in original_len/wavelength. Linear scaling divides every frequency by `factor`.
     """
-    d = config.head_dim
+    d = config.rotary_dim  # all of head_dim, or the part a partial rotary embedding turns
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     s = config.rope_scaling
     if s is None:
@@ -38,11 +38,16 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x: [B, T, H, D], positions: [B, T] int. Returns x·cos + rotate_half(x)·sin, in x's dtype.
+    """x: [B, T, H, D], positions: [B, T] int. Returns x·cos + rotate_half(x)·sin, in x's dtype,
+    on the first 2·len(inv_freq) dimensions (all of D, or a partial rotary embedding's part;
+    the rest pass through).
 
     The angles are computed in float32 and cast to x's dtype before the product, as transformers
     does, so a bf16 model rotates exactly as its reference.
     """
+    rotary = 2 * inv_freq.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], axis=-1)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)

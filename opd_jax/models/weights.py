@@ -1,7 +1,9 @@
 """Weight layout conversions: Hugging Face tensors <-> the decoder's stacked parameter tree.
 
 Hugging Face stores torch `nn.Linear` weights as [out, in]; the decoder keeps [in, ..., out] with
-heads split out (q: [hidden, heads, head_dim]), and every layer's weights stacked on axis 0.
+heads split out (q: [hidden, heads, head_dim]), and every layer's weights stacked on axis 0 (the
+dense MLP over the dense layers only, router and experts over the MoE layers only, each expert
+weight stacked over experts: the hub's per-expert `mlp.experts.{e}.*` tensors).
 One table describes each layer weight once; loading and saving both read it.
 """
 
@@ -28,9 +30,21 @@ class _Weight:
     ours_shape: Callable[[ModelConfig], tuple[int, ...]]
     transpose: bool  # True for linear weights: HF [out, in] <-> ours [in, ...out]
     present: Callable[[ModelConfig], bool] = lambda c: True
+    layers: str = "all"  # which layers hold it: "all", "dense" (dense MLP) or "moe" (router, experts)
+    per_expert: bool = False  # one HF tensor per expert ("{e}" in hf_suffix), stacked on our axis 1
+
+    def layer_ids(self, config: ModelConfig) -> tuple[int, ...]:
+        return {"all": tuple(range(config.num_layers)), "dense": config.dense_layers,
+                "moe": config.moe_layers}[self.layers]
+
+    def hf_names(self, config: ModelConfig, layer: int) -> list[str]:
+        if self.per_expert:
+            return [f"model.layers.{layer}.{self.hf_suffix.format(e=e)}" for e in range(config.moe.num_experts)]
+        return [f"model.layers.{layer}.{self.hf_suffix}"]
 
 
 _H = lambda c: c.hidden_size  # noqa: E731
+_shared = lambda c: c.moe.num_shared_experts * c.moe.intermediate_size if c.moe else 0  # noqa: E731
 _LAYER_WEIGHTS: dict[str, _Weight] = {
     "attn_norm": _Weight("input_layernorm.weight", lambda c: (_H(c),), lambda c: (_H(c),), False),
     "q": _Weight("self_attn.q_proj.weight", lambda c: (c.num_heads * c.head_dim, _H(c)),
@@ -55,11 +69,27 @@ _LAYER_WEIGHTS: dict[str, _Weight] = {
                       lambda c: c.qk_norm),
     "mlp_norm": _Weight("post_attention_layernorm.weight", lambda c: (_H(c),), lambda c: (_H(c),), False),
     "gate": _Weight("mlp.gate_proj.weight", lambda c: (c.intermediate_size, _H(c)),
-                    lambda c: (_H(c), c.intermediate_size), True),
+                    lambda c: (_H(c), c.intermediate_size), True, layers="dense"),
     "up": _Weight("mlp.up_proj.weight", lambda c: (c.intermediate_size, _H(c)),
-                  lambda c: (_H(c), c.intermediate_size), True),
+                  lambda c: (_H(c), c.intermediate_size), True, layers="dense"),
     "down": _Weight("mlp.down_proj.weight", lambda c: (_H(c), c.intermediate_size),
-                    lambda c: (c.intermediate_size, _H(c)), True),
+                    lambda c: (c.intermediate_size, _H(c)), True, layers="dense"),
+    "router": _Weight("mlp.gate.weight", lambda c: (c.moe.num_experts, _H(c)), lambda c: (_H(c), c.moe.num_experts),
+                      True, layers="moe"),
+    "router_bias": _Weight("mlp.gate.e_score_correction_bias", lambda c: (c.moe.num_experts,),
+                           lambda c: (c.moe.num_experts,), False, lambda c: bool(c.moe and c.moe.score_correction_bias), "moe"),
+    "expert_gate": _Weight("mlp.experts.{e}.gate_proj.weight", lambda c: (c.moe.intermediate_size, _H(c)),
+                           lambda c: (_H(c), c.moe.intermediate_size), True, layers="moe", per_expert=True),
+    "expert_up": _Weight("mlp.experts.{e}.up_proj.weight", lambda c: (c.moe.intermediate_size, _H(c)),
+                         lambda c: (_H(c), c.moe.intermediate_size), True, layers="moe", per_expert=True),
+    "expert_down": _Weight("mlp.experts.{e}.down_proj.weight", lambda c: (_H(c), c.moe.intermediate_size),
+                           lambda c: (c.moe.intermediate_size, _H(c)), True, layers="moe", per_expert=True),
+    "shared_gate": _Weight("mlp.shared_experts.gate_proj.weight", lambda c: (_shared(c), _H(c)),
+                           lambda c: (_H(c), _shared(c)), True, lambda c: _shared(c) > 0, "moe"),
+    "shared_up": _Weight("mlp.shared_experts.up_proj.weight", lambda c: (_shared(c), _H(c)),
+                         lambda c: (_H(c), _shared(c)), True, lambda c: _shared(c) > 0, "moe"),
+    "shared_down": _Weight("mlp.shared_experts.down_proj.weight", lambda c: (_H(c), _shared(c)),
+                           lambda c: (_shared(c), _H(c)), True, lambda c: _shared(c) > 0, "moe"),
 }
 # Tensors some checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -71,11 +101,19 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
               "model.norm.weight": (config.hidden_size,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    for i in range(config.num_layers):
-        for w in _LAYER_WEIGHTS.values():
-            if w.present(config):
-                shapes[f"model.layers.{i}.{w.hf_suffix}"] = w.hf_shape(config)
+    for w in _LAYER_WEIGHTS.values():
+        if w.present(config):
+            for i in w.layer_ids(config):
+                shapes.update({name: w.hf_shape(config) for name in w.hf_names(config, i)})
     return shapes
+
+
+def _extra_layer(name: str, config: ModelConfig) -> bool:
+    """A tensor of a layer past the model's: GLM-4.5's multi-token-prediction layers, which
+    transformers (and this model) do not use."""
+    parts = name.split(".")
+    return (config.family == "glm4_moe" and len(parts) > 2 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
 
 
 def check_hf_tensors(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
@@ -87,7 +125,7 @@ def check_hf_tensors(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]],
         raise ModelFormatError(f"{source}: tensor {missing[0]!r}{more} is missing for this config")
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = [n for n in shapes if n not in expected and n not in optional
-                  and not n.endswith(_IGNORED_SUFFIXES)]
+                  and not n.endswith(_IGNORED_SUFFIXES) and not _extra_layer(n, config)]
     if unexpected:
         raise ModelFormatError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) is "
                                f"not part of the {config.num_layers}-layer {config.architecture} config.json describes")
@@ -112,10 +150,9 @@ def params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray], dtype:
     cast = lambda a: jnp.asarray(np.asarray(a), dtype=dtype)  # noqa: E731
     layers = {}
     for name, w in _LAYER_WEIGHTS.items():
-        if w.present(config):
-            stacked = np.stack([_ours(w, config, get(f"model.layers.{i}.{w.hf_suffix}"))
-                                for i in range(config.num_layers)])
-            layers[name] = cast(stacked)
+        if w.present(config) and w.layer_ids(config):
+            per_layer = [[_ours(w, config, get(n)) for n in w.hf_names(config, i)] for i in w.layer_ids(config)]
+            layers[name] = cast(np.stack([np.stack(t) if w.per_expert else t[0] for t in per_layer]))
     params: dict[str, Any] = {"backbone": {"embed": cast(get("model.embed_tokens.weight")),
                                            "final_norm": cast(get("model.norm.weight")),
                                            "layers": layers}}
@@ -133,8 +170,10 @@ def params_to_hf(config: ModelConfig, params: Mapping[str, Any]) -> dict[str, np
         out["lm_head.weight"] = host["lm_head"].T
     for name, w in _LAYER_WEIGHTS.items():
         if w.present(config):
-            for i in range(config.num_layers):
-                out[f"model.layers.{i}.{w.hf_suffix}"] = _theirs(w, config, backbone["layers"][name][i])
+            for j, i in enumerate(w.layer_ids(config)):
+                stacked = backbone["layers"][name][j]
+                for e, hf_name in enumerate(w.hf_names(config, i)):
+                    out[hf_name] = _theirs(w, config, stacked[e] if w.per_expert else stacked)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
