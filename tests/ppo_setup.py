@@ -16,6 +16,7 @@ from opd_jax.core import (
     score_batch,
 )
 from opd_jax.models import Decoder, ModelConfig, ValueModel
+from opd_jax.models.moe import MoEConfig
 
 # every sharded dimension divides by 2 and 4 (embed over fsdp, heads/mlp/vocab over tensor)
 TINY = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -28,8 +29,17 @@ def tiny_models(config=TINY, compute_dtype=None):
     return policy, critic
 
 
-def make_state(policy_tx, critic_tx, compute_dtype=None):
-    policy, critic = tiny_models(compute_dtype=compute_dtype)
+# a GLM-4.5-style MoE of the same size: layer 0 dense, layer 1 routed (sigmoid, groups, a shared
+# expert); 4 experts, so they split over data=2 or 4
+TINY_MOE = ModelConfig(family="glm4_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, qkv_bias=True, partial_rotary_factor=0.5,
+                       moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=16, router="sigmoid",
+                                     norm_topk_prob=True, routed_scaling_factor=2.0, n_group=2, topk_group=1,
+                                     score_correction_bias=True, num_shared_experts=1, dense_layers=(0,)))
+
+
+def make_state(policy_tx, critic_tx, compute_dtype=None, config=TINY):
+    policy, critic = tiny_models(config, compute_dtype=compute_dtype)
     return PPOState.create(policy, critic, policy_tx, critic_tx)
 
 

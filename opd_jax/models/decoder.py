@@ -101,9 +101,9 @@ class LayerStack(nnx.Module):
         if config.moe is not None:
             m, Lm = config.moe, len(config.moe_layers)
             E, Im = m.num_experts, m.intermediate_size
-            self.router = p((Lm, H, E), ("layers", "embed", None))
+            self.router = p((Lm, H, E), ("layers", "embed", "expert_scores"))
             if m.score_correction_bias:
-                self.router_bias = p((Lm, E), ("layers", None), "zeros")
+                self.router_bias = p((Lm, E), ("layers", "expert_scores"), "zeros")
             self.expert_gate = p((Lm, E, H, Im), ("layers", "expert", "embed", "mlp"))
             self.expert_up = p((Lm, E, H, Im), ("layers", "expert", "embed", "mlp"))
             self.expert_down = p((Lm, E, Im, H), ("layers", "expert", "mlp", "embed"))

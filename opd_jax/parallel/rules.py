@@ -23,9 +23,14 @@ from opd_jax.parallel.mesh import MeshError
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 # FSDP shards the model dimension of every weight (ZeRO-3); tensor parallelism splits heads,
-# MLP width and vocabulary (Megatron); batches split over both data-parallel axes.
+# MLP width and vocabulary (Megatron); batches split over both data-parallel axes. Expert
+# parallelism puts each data-parallel group's share of a MoE layer's experts on it (GShard,
+# DeepSpeed-MoE: experts over the data axis), so a mesh with data=d holds E/d experts per device
+# along that axis, FSDP and tensor parallelism still splitting each expert's matrices.
 DEFAULT_RULES: LogicalRules = (
     ("batch", ("data", "fsdp")),
+    ("expert", "data"),
+    ("expert_scores", None),  # the router's output dimension (small; replicated)
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
