@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig
-from opd_jax.models.moe import experts_ragged, route
+from opd_jax.models.moe import RouterInfo, experts_ragged, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
@@ -128,8 +128,9 @@ def _dense_mlp(h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
 
 
 def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced: jax.Array | None,
-             replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Routed experts (+ shared experts) on h [B, T, H]; returns (output, expert ids [B, T, k]).
+             replay: jax.Array | None, valid: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Routed experts (+ shared experts) on h [B, T, H]; returns the output and (expert ids
+    [B, T, k], f [E], P [E], z-loss) over the valid [B, T] tokens (see `router_stats`).
     forced/replay: expert ids [B, T, k] to use where replay [B, T] is set (routing replay)."""
     B, T, H = h.shape
     flat = h.reshape(B * T, H)
@@ -141,7 +142,7 @@ def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced:
     out = experts_ragged(flat, ids, gates, w["expert_gate"], w["expert_up"], w["expert_down"]).reshape(B, T, H)
     if "shared_gate" in w:
         out = out + _dense_mlp(h, {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]})
-    return out, ids.reshape(B, T, -1)
+    return out, (ids.reshape(B, T, -1), *router_stats(logits, ids, valid.reshape(-1)))
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -227,7 +228,8 @@ class Backbone(nnx.Module):
         unroll: layers per scan iteration (True: all). Unrolling compiles slower but lets XLA
         fuse across layers; it pays off in training steps (the backward of a scan is slower).
         MoE models: routing [B, T, moe layers, k] expert ids used where replay [B, T] is set
-        (routing replay, R3); return_routing adds the expert ids used, [B, T, moe layers, k].
+        (routing replay, R3); return_routing adds a RouterInfo (the expert ids used and the
+        routers' statistics per MoE layer; None for a dense model).
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -267,8 +269,8 @@ class Backbone(nnx.Module):
             m = {name: value if name.startswith("router") else value.astype(dt) for name, value in m.items()}
             if kind == "dense":
                 return (x + _dense_mlp(h, m), kv), None
-            out, ids = _moe_mlp(config, h, m, f, replay)
-            return (x + out, kv), ids
+            out, info = _moe_mlp(config, h, m, f, replay, mask)
+            return (x + out, kv), info
 
         kv = None if cache is None else (cache.k, cache.v)
         used = []
@@ -277,13 +279,17 @@ class Backbone(nnx.Module):
                   {k: v[first:first + stop - start] for k, v in mlp[kind].items()},
                   None if forced is None or kind == "dense" else forced[first:first + stop - start],
                   jnp.arange(start, stop))
-            (x, kv), ids = jax.lax.scan(functools.partial(body, kind), (x, kv), xs, unroll=unroll)
-            if ids is not None:
-                used.append(ids)
+            (x, kv), info = jax.lax.scan(functools.partial(body, kind), (x, kv), xs, unroll=unroll)
+            if info is not None:
+                used.append(info)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
         new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T)
         if return_routing:
-            return x, new_cache, jnp.moveaxis(jnp.concatenate(used), 0, 2) if used else None
+            info = None
+            if used:
+                ids, f, P, z = (jnp.concatenate(parts) for parts in zip(*used))
+                info = RouterInfo(ids=jnp.moveaxis(ids, 0, 2), tokens_per_expert=f, prob_per_expert=P, z_loss=z)
+            return x, new_cache, info
         return x, new_cache
 
 
@@ -303,9 +309,13 @@ class Decoder(nnx.Module):
         return self.backbone.embed[...].dtype
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, unroll: int | bool = 1) -> jax.Array:
-        hidden, _ = self.backbone(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll)
-        return self.logits(hidden)
+                 attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
+                 replay: jax.Array | None = None, return_routing: bool = False
+                 ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
+        """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone)."""
+        hidden, _, info = self.backbone(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
+                                        routing=routing, replay=replay, return_routing=True)
+        return (self.logits(hidden), info) if return_routing else self.logits(hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Output head on final hidden states [..., hidden] -> float32 logits [..., vocab]."""

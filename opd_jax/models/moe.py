@@ -14,6 +14,7 @@ import dataclasses
 from typing import Literal
 
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -110,23 +111,25 @@ def experts_dense(x: jax.Array, ids: jax.Array, gates: jax.Array, gate: jax.Arra
     return jnp.einsum("ne,neh->nh", weights.astype(every.dtype), every).astype(x.dtype)
 
 
-def expert_load(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
-    """Fraction of the (valid) tokens' k slots routed to each expert, [E] (sums to 1)."""
+def tokens_per_expert(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
+    """f_e: the fraction of the valid tokens that chose expert e among their k, [E] (sums to k)."""
     counts = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum(1)  # [N, E]
-    if valid is not None:
-        counts = counts * valid.astype(jnp.float32)[:, None]
-    return counts.sum(0) / jnp.maximum(counts.sum(), 1.0)
+    w = jnp.ones(ids.shape[0], jnp.float32) if valid is None else valid.astype(jnp.float32)
+    return (counts * w[:, None]).sum(0) / jnp.maximum(w.sum(), 1.0)
 
 
-def load_balancing_loss(logits: jax.Array, ids: jax.Array, num_experts: int, valid: jax.Array | None = None
-                        ) -> jax.Array:
-    """Switch-Transformer auxiliary loss as transformers computes it for Qwen3-MoE:
-    E · Σ_e f_e · P_e, with f_e the fraction of (token, slot) pairs routed to e and P_e the mean
-    router probability softmax(logits)_e, both over the valid tokens."""
+def prob_per_expert(logits: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """P_e: the mean over the valid tokens of softmax(logits)_e, [E]."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w = jnp.ones(probs.shape[0], jnp.float32) if valid is None else valid.astype(jnp.float32)
-    P = (probs * w[:, None]).sum(0) / jnp.maximum(w.sum(), 1.0)
-    return num_experts * jnp.sum(expert_load(ids, num_experts, valid) * P)
+    return (probs * w[:, None]).sum(0) / jnp.maximum(w.sum(), 1.0)
+
+
+def load_balancing_loss(f: jax.Array, P: jax.Array) -> jax.Array:
+    """Switch-Transformer auxiliary loss as transformers computes it (Qwen3-MoE, Mixtral):
+    E · Σ_e f̄_e · P̄_e, with f (`tokens_per_expert`) and P (`prob_per_expert`) [layers, E]
+    averaged over the layers first (transformers pools the layers' tokens)."""
+    return f.shape[-1] * jnp.sum(f.reshape(-1, f.shape[-1]).mean(0) * P.reshape(-1, P.shape[-1]).mean(0))
 
 
 def router_z_loss(logits: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -134,3 +137,21 @@ def router_z_loss(logits: jax.Array, valid: jax.Array | None = None) -> jax.Arra
     z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
     w = jnp.ones_like(z) if valid is None else valid.astype(jnp.float32)
     return (z * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+
+@flax.struct.dataclass
+class RouterInfo:
+    """What the routers of a forward pass did, per MoE layer: the expert ids of every token
+    [B, T, layers, k], and over the valid tokens f_e (`tokens_per_expert`) and P_e
+    (`prob_per_expert`) [layers, E] and the z-loss [layers]."""
+
+    ids: jax.Array
+    tokens_per_expert: jax.Array
+    prob_per_expert: jax.Array
+    z_loss: jax.Array
+
+
+def router_stats(logits: jax.Array, ids: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(f [E], P [E], z-loss) of one layer's routing over the valid tokens."""
+    E = logits.shape[-1]
+    return tokens_per_expert(ids, E, valid), prob_per_expert(logits, valid), router_z_loss(logits, valid)

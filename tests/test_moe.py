@@ -1,0 +1,146 @@
+"""MoE routing and dispatch against independent references: NumPy written from the routing
+formulas, transformers' own load-balancing loss, the dense every-expert oracle; and the property
+that an expert shard gives exactly nothing to tokens none of whose experts it holds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from opd_jax.models.moe import (
+    MoEConfig,
+    experts_dense,
+    experts_ragged,
+    load_balancing_loss,
+    prob_per_expert,
+    route,
+    router_z_loss,
+    tokens_per_expert,
+)
+
+
+def numpy_softmax_route(logits, k, norm):
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    g = np.take_along_axis(p, ids, -1)
+    return ids, g / g.sum(-1, keepdims=True) if norm else g
+
+
+def numpy_sigmoid_route(logits, bias, k, n_group, topk_group, norm, scale):
+    s = 1 / (1 + np.exp(-logits))
+    c = s + bias
+    N, E = c.shape
+    groups = c.reshape(N, n_group, E // n_group)
+    group_score = np.sort(groups, -1)[..., -2:].sum(-1)
+    keep = np.zeros((N, n_group), bool)
+    for n in range(N):
+        keep[n, np.argsort(-group_score[n], kind="stable")[:topk_group]] = True
+    masked = np.where(np.repeat(keep, E // n_group, -1), c, -np.inf)
+    ids = np.argsort(-masked, axis=-1, kind="stable")[:, :k]
+    g = np.take_along_axis(s, ids, -1)
+    if norm:
+        g = g / (g.sum(-1, keepdims=True) + 1e-20)
+    return ids, g * scale
+
+
+def test_softmax_routing_matches_the_formula():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(40, 8)).astype(np.float32)
+    for norm in (False, True):
+        ids, gates = route(jnp.asarray(logits), MoEConfig(8, 3, 4, norm_topk_prob=norm))
+        ref_ids, ref_gates = numpy_softmax_route(logits.astype(np.float64), 3, norm)
+        np.testing.assert_array_equal(np.sort(ids, -1), np.sort(ref_ids, -1))
+        order = np.argsort(ids, -1)
+        np.testing.assert_allclose(np.take_along_axis(np.asarray(gates), order, -1),
+                                   np.take_along_axis(ref_gates, np.argsort(ref_ids, -1), -1), rtol=1e-5)
+
+
+def test_sigmoid_group_limited_routing_matches_the_formula():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(40, 12)).astype(np.float32)
+    bias = rng.normal(scale=0.5, size=12).astype(np.float32)
+    config = MoEConfig(12, 2, 4, router="sigmoid", n_group=3, topk_group=2, norm_topk_prob=True,
+                       routed_scaling_factor=2.5, score_correction_bias=True)
+    ids, gates = route(jnp.asarray(logits), config, jnp.asarray(bias))
+    ref_ids, ref_gates = numpy_sigmoid_route(logits.astype(np.float64), bias, 2, 3, 2, True, 2.5)
+    np.testing.assert_array_equal(np.sort(ids, -1), np.sort(ref_ids, -1))
+    np.testing.assert_allclose(np.sort(gates, -1), np.sort(ref_gates, -1), rtol=1e-5)
+    # the bias only selects: the gates are the unbiased scores at the chosen experts
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    chosen = np.take_along_axis(s, np.asarray(ids), -1)
+    np.testing.assert_allclose(gates, 2.5 * chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_forced_routing_keeps_the_ids_and_recomputes_the_gates():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(10, 6)).astype(np.float32))
+    forced = jnp.asarray(rng.integers(0, 6, (10, 2)).astype(np.int32))
+    config = MoEConfig(6, 2, 4, norm_topk_prob=True)
+    ids, gates = route(logits, config, forced=forced)
+    np.testing.assert_array_equal(ids, forced)
+    p = np.asarray(jax.nn.softmax(logits, -1), np.float64)
+    g = np.take_along_axis(p, np.asarray(forced), -1)
+    np.testing.assert_allclose(gates, g / g.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def _problem(seed, N, E, k, H=8, I=6):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(N, H)).astype(np.float32))
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32))
+    gates = jnp.asarray(rng.uniform(0.1, 1.0, (N, k)).astype(np.float32))
+    w = [jnp.asarray(rng.normal(scale=0.3, size=s).astype(np.float32)) for s in ((E, H, I), (E, H, I), (E, I, H))]
+    return x, ids, gates, w
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), N=st.sampled_from([1, 5, 16]), E=st.sampled_from([2, 4, 8]), k=st.integers(1, 2))
+def test_grouped_dispatch_equals_every_expert_on_every_token(seed, N, E, k):
+    x, ids, gates, (gate, up, down) = _problem(seed, N, E, k)
+    np.testing.assert_allclose(experts_ragged(x, ids, gates, gate, up, down), experts_dense(x, ids, gates, gate, up, down),
+                               rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), N=st.sampled_from([1, 5, 16]), shards=st.sampled_from([2, 4]))
+def test_an_expert_shard_gives_nothing_to_tokens_routed_elsewhere(seed, N, shards):
+    """Each shard holds E/shards experts (the others zero, as on another device): a token none of
+    whose experts the shard holds gets exactly 0 from it, and the shards' outputs add up to the
+    whole layer's."""
+    E, k = 8, 2
+    x, ids, gates, (gate, up, down) = _problem(seed, N, E, k)
+    whole = np.asarray(experts_ragged(x, ids, gates, gate, up, down))
+    total = np.zeros_like(whole)
+    per = E // shards
+    for s in range(shards):
+        held = (jnp.arange(E) // per == s)[:, None, None]
+        part = np.asarray(experts_ragged(x, ids, gates, gate * held, up * held, down * held))
+        elsewhere = ~np.isin(np.asarray(ids) // per, [s]).any(-1)
+        assert np.all(part[elsewhere] == 0.0)
+        total += part
+    np.testing.assert_allclose(total, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_load_balancing_loss_is_transformers_loss():
+    rng = np.random.default_rng(3)
+    E, k, B, T = 8, 2, 3, 5
+    layers = [rng.normal(size=(B * T, E)).astype(np.float32) for _ in range(3)]
+    mask = (rng.uniform(size=(B, T)) > 0.3).astype(np.int64)
+    ref = float(load_balancing_loss_func(tuple(torch.tensor(g) for g in layers), E, k, torch.tensor(mask)))
+    valid = jnp.asarray(mask.reshape(-1))
+    f = jnp.stack([tokens_per_expert(route(jnp.asarray(g), MoEConfig(E, k, 4))[0], E, valid) for g in layers])
+    P = jnp.stack([prob_per_expert(jnp.asarray(g), valid) for g in layers])
+    np.testing.assert_allclose(float(load_balancing_loss(f, P)), ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(f).sum(-1), k, rtol=1e-6)
+
+
+def test_router_z_loss_matches_the_formula():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(scale=3.0, size=(20, 6))
+    valid = rng.uniform(size=20) > 0.5
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(valid))),
+                               (lse**2)[valid].mean(), rtol=1e-5)
