@@ -144,3 +144,27 @@ def test_router_z_loss_matches_the_formula():
     lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(valid))),
                                (lse**2)[valid].mean(), rtol=1e-5)
+
+
+def test_router_losses_enter_the_policy_loss_with_their_coefficients():
+    import dataclasses
+    import functools
+
+    from ppo_setup import TINY_MOE, make_state, scored_batch, step_optimizer
+
+    from opd_jax.core import PPOConfig, ppo_step
+
+    state = make_state(step_optimizer(), step_optimizer(), config=TINY_MOE)
+    batch = scored_batch(state)
+    step = lambda config: jax.jit(functools.partial(ppo_step, config=config))(state, batch)[1]  # noqa: E731
+    plain = step(PPOConfig())
+    weighted = step(dataclasses.replace(PPOConfig(), router_balance_coef=0.1, router_z_coef=0.01))
+    balance, z = float(plain["policy/moe/balance_loss"]), float(plain["policy/moe/z_loss"])
+    np.testing.assert_allclose(float(weighted["policy/total_loss"]) - float(plain["policy/total_loss"]),
+                               0.1 * balance + 0.01 * z, rtol=1e-4)
+    # the load metric from the model's own routing, counted here
+    _, router = state.policy_model()(batch.tokens, attention_mask=batch.attention_mask, return_routing=True)
+    ids = np.asarray(router.ids)[np.asarray(batch.attention_mask) > 0]  # [valid tokens, layers, k]
+    counts = np.stack([np.bincount(ids[:, 0].ravel(), minlength=4)])
+    np.testing.assert_allclose(float(plain["policy/moe/layer1/max_load"]), counts.max() / counts.mean(), rtol=1e-5)
+    assert "policy/moe/layer0/max_load" not in plain  # layer 0 is dense

@@ -14,25 +14,34 @@ from flax import nnx
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.update import map_rows
+from opd_jax.models.moe import RouterInfo
 
 
 def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
-                    temperature: float = 1.0) -> jax.Array:
-    """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V]."""
-    logits = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask, unroll=unroll)
-    return logits / temperature if temperature != 1.0 else logits
+                    temperature: float = 1.0, with_router: bool = False
+                    ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
+    """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V] (with
+    with_router, also what a MoE model's routers did, None for a dense model)."""
+    logits, router = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
+                                                 attention_mask=batch.attention_mask, unroll=unroll,
+                                                 return_routing=True)
+    logits = logits / temperature if temperature != 1.0 else logits
+    return (logits, router) if with_router else logits
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                      with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0
-                      ) -> tuple[jax.Array, jax.Array | None]:
+                      with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0,
+                      with_router: bool = False) -> tuple[jax.Array, ...]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature):
 
-        logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]"""
-    logits = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature)
-    return token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
+        logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]
+
+    Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense)."""
+    logits, router = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature,
+                                     with_router=True)
+    logp, entropy = token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
+    return (logp, entropy, router) if with_router else (logp, entropy)
 
 
 def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,

@@ -22,7 +22,7 @@ facts of the run, not knobs: the caller passes them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import flax.struct
 import jax
@@ -42,7 +42,7 @@ from opd_jax.core.losses import (
     policy_loss,
     value_loss,
 )
-from opd_jax.core.metrics import prefixed
+from opd_jax.core.metrics import Maxed, prefixed
 from opd_jax.core.mismatch import mismatch_weights
 from opd_jax.core.update import (
     UpdateConfig,
@@ -54,6 +54,7 @@ from opd_jax.core.update import (
     summed_loss,
 )
 from opd_jax.models import Decoder, ValueModel
+from opd_jax.models.moe import RouterInfo, load_balancing_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,10 @@ class PPOConfig:
     """Epochs, mini-batches and micro-batches of each step (shared with OPD)."""
     value_warmup_steps: int = 0
     """Steps at the start that train only the critic (VAPO's value pretraining)."""
+    router_balance_coef: float = 0.0
+    """MoE: weight of the load-balancing loss E·Σ f_e·P_e (transformers' formulation); off for RL, as slime."""
+    router_z_coef: float = 0.0
+    """MoE: weight of the router z-loss mean(logsumexp(router logits)²); off by default."""
 
     def __post_init__(self):
         if self.advantage not in ("gae", "grpo"):
@@ -197,9 +202,13 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
     normalizer = loss_denominator(targets.mask, surrogate.loss_agg)
     use_kl_loss = config.kl.enabled and config.kl.where == "loss"
 
+    tokens = jnp.maximum(jnp.sum(targets.batch.attention_mask), 1.0)  # the mini-batch's, for the router losses
+    moe_layers = nnx.merge(state.policy_def, params).config.moe_layers
+
     def loss_fn(p, t: _PPOTargets):
-        logp, entropy = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
-                                          unroll=config.update.layer_unroll, temperature=temperature)
+        logp, entropy, router = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
+                                                  unroll=config.update.layer_unroll, temperature=temperature,
+                                                  with_router=True)
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
                                     eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=t.weights,
                                     agg=surrogate.loss_agg, normalizer=normalizer)
@@ -212,12 +221,33 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
                                  normalizer)
             loss = loss + config.kl.coef * kl
             metrics["kl_loss"] = summed_loss(kl)
+        if router is not None:
+            share = jnp.sum(t.batch.attention_mask) / tokens  # this micro-batch's part of the mini-batch
+            aux, router_metrics = router_losses(router, config.router_balance_coef, config.router_z_coef,
+                                                moe_layers)
+            loss = loss + share * aux
+            metrics.update(router_metrics)
         metrics["total_loss"] = summed_loss(loss)
         return loss, metrics
 
     grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
     params, opt_state, apply_metrics = apply_update(state.policy_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
+
+
+def router_losses(router: RouterInfo, balance_coef: float, z_coef: float, layers: tuple[int, ...]
+                  ) -> tuple[jax.Array, dict[str, Any]]:
+    """balance_coef · E·Σ_e f̄_e·P̄_e + z_coef · mean over layers of the z-loss, and the routers'
+    metrics: both losses, and per MoE layer (`layers`: their indices in the model) the max/mean
+    expert load (1: perfectly balanced; E/k: every token on the same k experts), the worst
+    layer's as moe/max_load."""
+    balance = load_balancing_loss(router.tokens_per_expert, router.prob_per_expert)
+    z = jnp.mean(router.z_loss)
+    f = router.tokens_per_expert  # [layers, E], each row sums to k
+    max_load = jnp.max(f, axis=-1) / jnp.maximum(jnp.mean(f, axis=-1), 1e-9)
+    metrics: dict[str, Any] = {"moe/balance_loss": balance, "moe/z_loss": z, "moe/max_load": Maxed(jnp.max(max_load))}
+    metrics.update({f"moe/layer{layer}/max_load": Maxed(max_load[i]) for i, layer in enumerate(layers)})
+    return balance_coef * balance + z_coef * z, metrics
 
 
 def _critic_update(state: PPOState, params, opt_state, targets: _PPOTargets, config: PPOConfig):
