@@ -20,12 +20,36 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
+class FreshMoE(Section):
+    """The experts of a fresh MoE model (family qwen3_moe: softmax router; glm4_moe: sigmoid
+    router with a selection bias, groups and shared experts)."""
+
+    num_experts: int = Field(8, gt=0)
+    """Routed experts per MoE layer."""
+    experts_per_token: int = Field(2, gt=0)
+    """Experts each token is routed to (top-k)."""
+    intermediate_size: int = Field(64, gt=0)
+    """Width of each routed expert's SwiGLU MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the k gates to sum to 1."""
+    dense_layers: list[int] = []
+    """Layers with a dense MLP (model.fresh.intermediate_size wide) instead of experts (glm4_moe: the first ones)."""
+    num_shared_experts: int = Field(0, ge=0)
+    """glm4_moe: shared experts (one dense MLP of num_shared × intermediate_size) added to every token."""
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    """glm4_moe: gates × this."""
+    n_group: int = Field(1, gt=0)
+    """glm4_moe: expert groups; only the best topk_group groups are eligible per token."""
+    topk_group: int = Field(1, gt=0)
+    """glm4_moe: eligible groups per token."""
+
+
 class FreshModel(Section):
     """A model initialised from scratch (for the synthetic domains), with the built-in
     character tokenizer; vocab_size comes from that tokenizer."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
-    """Architecture family: llama, qwen2 (q/k/v biases) or qwen3 (q/k norm)."""
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"] = "llama"
+    """Architecture family: llama, qwen2 (q/k/v biases), qwen3 (q/k norm); MoE: qwen3_moe, glm4_moe (set moe)."""
     hidden_size: int = Field(128, gt=0)
     """Width of the residual stream."""
     intermediate_size: int = Field(384, gt=0)
@@ -40,8 +64,18 @@ class FreshModel(Section):
     """Width of each attention head."""
     max_position_embeddings: int = Field(512, gt=0)
     """Longest sequence the model is built for (RoPE positions)."""
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    """Fraction of head_dim the rotary embedding turns (GLM-4.5: 0.5)."""
+    moe: FreshMoE | None = None
+    """The experts (MoE families only)."""
     seed: int = 0
     """Seed of the random initialisation."""
+
+    @model_validator(mode="after")
+    def _experts_for_moe_families(self):
+        if (self.moe is not None) != self.family.endswith("_moe"):
+            raise ValueError(f"model.fresh.moe must be set exactly for the MoE families (family {self.family})")
+        return self
 
 
 class ModelSection(Section):

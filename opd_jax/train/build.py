@@ -14,27 +14,48 @@ from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelFormatError, family_defaults
+from opd_jax.models.moe import MoEConfig
 from opd_jax.models.weights import build_from_params
 
 
 def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
     """The model a model section describes (fresh, with the character tokenizer, or loaded)."""
     if section.fresh is not None:
-        f = section.fresh
         tokenizer = char_tokenizer()
-        model_config = ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, hidden_size=f.hidden_size,
-                                   intermediate_size=f.intermediate_size, num_layers=f.num_layers,
-                                   num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
-                                   max_position_embeddings=f.max_position_embeddings, eos_token_ids=(tokenizer.eos_token_id,),
-                                   **family_defaults(f.family))
-        policy = Decoder(model_config, param_dtype=jnp.dtype(section.dtype), compute_dtype=section.compute_dtype,
-                         rngs=nnx.Rngs(f.seed))
+        policy = Decoder(fresh_model_config(section.fresh), param_dtype=jnp.dtype(section.dtype),
+                         compute_dtype=section.compute_dtype, rngs=nnx.Rngs(section.fresh.seed))
         return policy, tokenizer
     policy, tokenizer = load_model(resolve_model_path(section.path), dtype=section.dtype,
                                    compute_dtype=section.compute_dtype)
     if tokenizer is None:
         raise ModelFormatError(f"model.path {section.path!r} has no tokenizer; a run needs one to read prompts")
     return policy, tokenizer
+
+
+def fresh_model_config(f: Any) -> ModelConfig:
+    """The architecture a model.fresh section describes (vocabulary: the character tokenizer's);
+    an inconsistent one raises ModelFormatError naming the problem."""
+    tokenizer = char_tokenizer()
+    try:
+        return ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, hidden_size=f.hidden_size,
+                           intermediate_size=f.intermediate_size, num_layers=f.num_layers, num_heads=f.num_heads,
+                           num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
+                           max_position_embeddings=f.max_position_embeddings, eos_token_ids=(tokenizer.eos_token_id,),
+                           partial_rotary_factor=f.partial_rotary_factor, moe=_fresh_moe(f),
+                           **family_defaults(f.family, qk_norm=f.family == "glm4_moe"))
+    except ValueError as e:
+        raise ModelFormatError(f"model.fresh: {e}") from None
+
+
+def _fresh_moe(fresh: Any) -> MoEConfig | None:
+    if fresh.moe is None:
+        return None
+    m, glm = fresh.moe, fresh.family == "glm4_moe"
+    return MoEConfig(num_experts=m.num_experts, experts_per_token=m.experts_per_token,
+                     intermediate_size=m.intermediate_size, router="sigmoid" if glm else "softmax",
+                     norm_topk_prob=m.norm_topk_prob, routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group,
+                     topk_group=m.topk_group, score_correction_bias=glm, num_shared_experts=m.num_shared_experts,
+                     dense_layers=tuple(m.dense_layers))
 
 
 def build_critic(policy: Decoder, config: TrainConfig) -> ValueModel:

@@ -17,7 +17,7 @@ from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelConfig, ModelFormatError
 from opd_jax.parallel import MeshConfig, make_mesh
 from opd_jax.rewards import load_reward_fn
-from opd_jax.train.build import encode_prompt
+from opd_jax.train.build import encode_prompt, fresh_model_config
 
 
 def check_mesh(key: str, mesh: MeshConfig) -> None:
@@ -31,6 +31,7 @@ def check_model(key: str, section: ModelSection) -> tuple[Tokenizer | None, int 
     """The model section's tokenizer and context length, read without loading its weights (None
     for a GGUF file, whose metadata is read with its weights when the model is built)."""
     if section.fresh is not None:
+        fresh_model_config(section.fresh)  # an inconsistent architecture (experts, heads, ...) named now
         return char_tokenizer(), section.fresh.max_position_embeddings
     try:
         path = resolve_model_path(section.path)
