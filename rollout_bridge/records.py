@@ -45,6 +45,9 @@ class Rollout:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     request_id: str = ""
     latency_s: float = 0.0  # submit to completion, as the engine's client saw it
+    # MoE engines: the expert ids of every prompt and output token, [tokens, MoE layers, k]
+    # (SGLang's return_routed_experts; the embedded engine records them), for routing replay
+    routed_experts: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):

@@ -168,3 +168,24 @@ def test_router_losses_enter_the_policy_loss_with_their_coefficients():
     counts = np.stack([np.bincount(ids[:, 0].ravel(), minlength=4)])
     np.testing.assert_allclose(float(plain["policy/moe/layer1/max_load"]), counts.max() / counts.mean(), rtol=1e-5)
     assert "policy/moe/layer0/max_load" not in plain  # layer 0 is dense
+
+
+def test_the_engine_records_the_routing_the_trainer_computes():
+    """f32 engine and f32 trainer: the expert ids the sampler records for every prompt and output
+    token equal those of the trainer's forward over the same tokens."""
+    from flax import nnx
+    from ppo_setup import TINY_MOE
+
+    from opd_jax.models import Decoder
+    from opd_jax.sampling import Sampler
+    from rollout_bridge.records import SamplingParams
+
+    model = Decoder(TINY_MOE, rngs=nnx.Rngs(3))
+    prompts = [[5, 9, 2, 7], [11, 3], [1, 2, 3, 4, 5, 6, 7]]
+    rollouts = Sampler(model, max_cache_len=32).generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0),
+                                                         jax.random.key(0))
+    for r in rollouts:
+        tokens = np.asarray([list(r.prompt_ids) + list(r.output_ids)], np.int32)
+        _, router = model(jnp.asarray(tokens), return_routing=True)
+        assert r.routed_experts.shape == (tokens.shape[1], 1, 2)  # one MoE layer, top-2
+        np.testing.assert_array_equal(np.sort(r.routed_experts, -1), np.sort(np.asarray(router.ids)[0], -1))

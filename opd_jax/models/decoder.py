@@ -327,7 +327,13 @@ class Decoder(nnx.Module):
         return out.astype(jnp.float32)
 
     def decode(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
-               attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        """Run T new tokens through the cache; returns (last-position logits [B, vocab], cache)."""
-        hidden, cache = self.backbone(tokens, positions=positions, attention_mask=attention_mask, cache=cache)
+               attention_mask: jax.Array | None = None, return_routing: bool = False
+               ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array | None]:
+        """Run T new tokens through the cache; returns (last-position logits [B, vocab], cache),
+        and with return_routing the expert ids each token used, [B, T, MoE layers, k] (None for
+        a dense model): what an engine records for routing replay."""
+        hidden, cache, info = self.backbone(tokens, positions=positions, attention_mask=attention_mask, cache=cache,
+                                            return_routing=True)
+        if return_routing:
+            return self.logits(hidden[:, -1]), cache, None if info is None else info.ids
         return self.logits(hidden[:, -1]), cache

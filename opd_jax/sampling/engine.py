@@ -41,14 +41,19 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, promp
     B, P = prompt.shape
     cache = KVCache.empty(model.config, B, P + max_new, model.backbone.compute_dtype)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
-    logits, cache = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask)
+    logits, cache, prompt_routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask,
+                                                 return_routing=True)
+    # MoE: the experts every prompt and output token was routed to (routing replay); -1 = none
+    moe = model.config.moe
+    routing = None if moe is None else jnp.full((B, max_new, len(model.config.moe_layers), moe.experts_per_token),
+                                                -1, jnp.int32)
 
     def cond(carry):
         step, done = carry[0], carry[3]
         return (step < max_new) & ~jnp.all(done)
 
     def body(carry):
-        step, logits, cache, done, next_pos, tokens, logprobs, lengths, stopped = carry
+        step, logits, cache, done, next_pos, tokens, logprobs, lengths, stopped, routing = carry
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
         token, logprob = sample_tokens(logits, keys, temperature, top_k, top_p)
         token = jnp.where(done, pad_id, token)
@@ -59,16 +64,18 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, promp
         stopped = stopped | hit_stop
         live = ~done
         done = done | hit_stop | (step + 1 >= row_max_new)
-        logits, cache = model.decode(token[:, None], cache, positions=next_pos[:, None],
-                                     attention_mask=live[:, None])
-        return step + 1, logits, cache, done, next_pos + 1, tokens, logprobs, lengths, stopped
+        logits, cache, used = model.decode(token[:, None], cache, positions=next_pos[:, None],
+                                           attention_mask=live[:, None], return_routing=True)
+        if routing is not None:
+            routing = routing.at[:, step].set(jnp.where(live[:, None, None], used[:, 0], -1))
+        return step + 1, logits, cache, done, next_pos + 1, tokens, logprobs, lengths, stopped, routing
 
     zeros_b = jnp.zeros((B,), jnp.int32)
     carry = (jnp.zeros((), jnp.int32), logits, cache, jnp.zeros((B,), bool), positions[:, -1] + 1,
              jnp.full((B, max_new), pad_id, jnp.int32), jnp.zeros((B, max_new), jnp.float32), zeros_b,
-             jnp.zeros((B,), bool))
+             jnp.zeros((B,), bool), routing)
     carry = jax.lax.while_loop(cond, body, carry)
-    return carry[5], carry[6], carry[7], carry[8]
+    return carry[5], carry[6], carry[7], carry[8], (None if routing is None else (prompt_routing, carry[9]))
 
 
 class Sampler:
@@ -134,7 +141,7 @@ class Sampler:
             row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(B))
         else:
             raise ValueError(f"key must be one PRNG key or one per prompt ({B}), got shape {key.shape}")
-        out_tokens, out_logprobs, lengths, stopped = jax.device_get(_generate(
+        out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(mask), row_keys,
             jnp.asarray([p.temperature for p in per_row], jnp.float32),
             jnp.asarray([p.top_k for p in per_row], jnp.int32),
@@ -142,9 +149,17 @@ class Sampler:
             jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id),
             max_new=max_new))
         metadata = metadata or [{} for _ in prompts]
+
+        def routed(i: int) -> np.ndarray | None:
+            """[prompt + output tokens, MoE layers, k]: the experts each token went through."""
+            if routing is None:
+                return None
+            prompt_part, output_part = routing
+            return np.concatenate([prompt_part[i, width - len(prompts[i]):], output_part[i, :lengths[i]]])
+
         return [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]),
                         output_ids=tuple(int(t) for t in out_tokens[i, :lengths[i]]),
                         output_logprobs=tuple(float(x) for x in out_logprobs[i, :lengths[i]]),
                         finish_reason="stop" if stopped[i] else "length",
-                        weight_version=self.weight_version, metadata=dict(metadata[i]))
+                        weight_version=self.weight_version, metadata=dict(metadata[i]), routed_experts=routed(i))
                 for i in range(B)]
