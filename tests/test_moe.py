@@ -189,3 +189,40 @@ def test_the_engine_records_the_routing_the_trainer_computes():
         _, router = model(jnp.asarray(tokens), return_routing=True)
         assert r.routed_experts.shape == (tokens.shape[1], 1, 2)  # one MoE layer, top-2
         np.testing.assert_array_equal(np.sort(r.routed_experts, -1), np.sort(np.asarray(router.ids)[0], -1))
+
+
+def test_routing_replay_reproduces_the_engines_logits_under_a_different_routing():
+    """The engine's model differs from the trainer's only in GLM's selection bias, which changes
+    which experts are chosen but not their gates. The trainer on its own routes elsewhere (its
+    logits differ); with R3 it uses the engine's experts and gives the engine's logits exactly."""
+    import dataclasses
+
+    from flax import nnx
+    from ppo_setup import TINY_MOE
+
+    from opd_jax.core import sequence_logits
+    from opd_jax.models import Decoder
+    from opd_jax.sampling import Sampler
+    from opd_jax.train.batching import rollouts_to_batch
+    from rollout_bridge.records import SamplingParams
+
+    trainer = Decoder(dataclasses.replace(TINY_MOE, moe=dataclasses.replace(TINY_MOE.moe, n_group=1, topk_group=1)),
+                      rngs=nnx.Rngs(5))
+    graphdef, params = nnx.split(trainer)
+    engine_params = jax.tree.map(jnp.copy, params)
+    bias = engine_params["backbone"]["layers"]["router_bias"]
+    bias[...] = jnp.asarray(np.random.default_rng(0).normal(scale=3.0, size=bias[...].shape), jnp.float32)
+    assert not np.any(np.asarray(params["backbone"]["layers"]["router_bias"][...]))  # the trainer's stays 0
+    engine = nnx.merge(graphdef, engine_params)
+    rollouts = Sampler(engine, max_cache_len=32).generate([[5, 9, 2, 7], [11, 3, 8]],
+                                                          SamplingParams(max_new_tokens=5, temperature=1.0),
+                                                          jax.random.key(1))
+    batch = rollouts_to_batch(rollouts, np.zeros(2), pad_id=0)
+    assert batch.routing is not None and batch.routing.shape[2:] == (1, 2)
+    engine_logits = np.asarray(sequence_logits(graphdef, engine_params, batch.replace(routing=None)))
+    own, router = sequence_logits(graphdef, params, batch, with_router=True)
+    replayed = np.asarray(sequence_logits(graphdef, params, batch, replay=True))
+    real = np.asarray(batch.attention_mask) > 0
+    assert float(router.flip_fraction[0]) > 0.3  # the trainer alone chooses other experts...
+    assert np.abs(np.asarray(own) - engine_logits)[real].max() > 1e-3  # ...and its logits differ
+    np.testing.assert_allclose(replayed[real], engine_logits[real], rtol=0, atol=1e-5)

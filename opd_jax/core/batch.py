@@ -29,7 +29,8 @@ class RolloutBatch:
     the engine's log-prob of each response token; rewards: [B], the outcome reward.
     Filled by `score_batch` before the step: logp_old (θ_old log-probs) and old_values (critic
     values V(prefix before t)), both [B, T]. logp_ref: [B, T] log-probs under a frozen reference,
-    only needed when a KL term is on."""
+    only needed when a KL term is on. routing: int32 [B, T, MoE layers, k], the experts a MoE
+    engine used for each token (-1 where it recorded none), for routing replay."""
 
     tokens: jax.Array
     attention_mask: jax.Array
@@ -39,6 +40,7 @@ class RolloutBatch:
     logp_old: jax.Array | None = None
     old_values: jax.Array | None = None
     logp_ref: jax.Array | None = None
+    routing: jax.Array | None = None
 
     @property
     def positions(self) -> jax.Array:

@@ -18,12 +18,15 @@ from opd_jax.models.moe import RouterInfo
 
 
 def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
-                    temperature: float = 1.0, with_router: bool = False
+                    temperature: float = 1.0, with_router: bool = False, replay: bool = False
                     ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
     """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V] (with
-    with_router, also what a MoE model's routers did, None for a dense model)."""
+    with_router, also what a MoE model's routers did, None for a dense model). A batch with the
+    engine's routing (batch.routing) is compared with the model's own (the flip fraction) and,
+    with replay, used for every token the engine routed (R3)."""
     logits, router = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
                                                  attention_mask=batch.attention_mask, unroll=unroll,
+                                                 routing=batch.routing, replay=jnp.asarray(replay),
                                                  return_routing=True)
     logits = logits / temperature if temperature != 1.0 else logits
     return (logits, router) if with_router else logits
@@ -31,7 +34,7 @@ def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                       with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0,
-                      with_router: bool = False) -> tuple[jax.Array, ...]:
+                      with_router: bool = False, replay: bool = False) -> tuple[jax.Array, ...]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature):
 
@@ -39,7 +42,7 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
 
     Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense)."""
     logits, router = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature,
-                                     with_router=True)
+                                     with_router=True, replay=replay)
     logp, entropy = token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
     return (logp, entropy, router) if with_router else (logp, entropy)
 
@@ -53,10 +56,10 @@ def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
 
 
 def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
-                    microbatches: int = 1) -> jax.Array:
+                    microbatches: int = 1, replay: bool = False) -> jax.Array:
     """Per-token log-probs under fixed parameters, at softmax(logits / temperature), in
     `microbatches` slices, zero off the response mask: θ_old of PPO and OPD, or a frozen
-    reference for the KL term."""
-    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature)[0], batch,
-                    microbatches)
+    reference for the KL term. replay: a MoE model uses the engine's routing (R3)."""
+    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature, replay=replay)[0],
+                    batch, microbatches)
     return jnp.where(batch.response_mask > 0, logp, 0.0)

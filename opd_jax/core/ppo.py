@@ -123,6 +123,8 @@ class PPOConfig:
     """MoE: weight of the load-balancing loss E·Σ f_e·P_e (transformers' formulation); off for RL, as slime."""
     router_z_coef: float = 0.0
     """MoE: weight of the router z-loss mean(logsumexp(router logits)²); off by default."""
+    routing_replay: Literal["none", "r3"] = "none"
+    """MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the trainer's router)."""
 
     def __post_init__(self):
         if self.advantage not in ("gae", "grpo"):
@@ -172,11 +174,13 @@ class PPOState:
 # --- the scoring pass --------------------------------------------------------------------
 
 def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
-                temperature: float = 1.0) -> RolloutBatch:
+                temperature: float = 1.0, routing_replay: bool = False) -> RolloutBatch:
     """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature) and
-    old_values (state.critic) filled in, computed in `microbatches` slices. Zero off the mask."""
+    old_values (state.critic) filled in, computed in `microbatches` slices. Zero off the mask.
+    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3)."""
     def score(b: RolloutBatch):
-        logp, _ = sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature)
+        logp, _ = sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature,
+                                    replay=routing_replay)
         return logp, sequence_values(state.critic_def, state.critic, b)
 
     logp_old, old_values = map_rows(score, batch, microbatches)
@@ -208,7 +212,7 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
     def loss_fn(p, t: _PPOTargets):
         logp, entropy, router = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
                                                   unroll=config.update.layer_unroll, temperature=temperature,
-                                                  with_router=True)
+                                                  with_router=True, replay=config.routing_replay == "r3")
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
                                     eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=t.weights,
                                     agg=surrogate.loss_agg, normalizer=normalizer)
@@ -240,13 +244,16 @@ def router_losses(router: RouterInfo, balance_coef: float, z_coef: float, layers
     """balance_coef · E·Σ_e f̄_e·P̄_e + z_coef · mean over layers of the z-loss, and the routers'
     metrics: both losses, and per MoE layer (`layers`: their indices in the model) the max/mean
     expert load (1: perfectly balanced; E/k: every token on the same k experts), the worst
-    layer's as moe/max_load."""
+    layer's as moe/max_load, and the fraction of tokens whose top-k set differs from the
+    engine's (flip_frac; 0 without an engine routing in the batch)."""
     balance = load_balancing_loss(router.tokens_per_expert, router.prob_per_expert)
     z = jnp.mean(router.z_loss)
     f = router.tokens_per_expert  # [layers, E], each row sums to k
     max_load = jnp.max(f, axis=-1) / jnp.maximum(jnp.mean(f, axis=-1), 1e-9)
-    metrics: dict[str, Any] = {"moe/balance_loss": balance, "moe/z_loss": z, "moe/max_load": Maxed(jnp.max(max_load))}
+    metrics: dict[str, Any] = {"moe/balance_loss": balance, "moe/z_loss": z, "moe/max_load": Maxed(jnp.max(max_load)),
+                               "moe/flip_frac": jnp.mean(router.flip_fraction)}
     metrics.update({f"moe/layer{layer}/max_load": Maxed(max_load[i]) for i, layer in enumerate(layers)})
+    metrics.update({f"moe/layer{layer}/flip_frac": router.flip_fraction[i] for i, layer in enumerate(layers)})
     return balance_coef * balance + z_coef * z, metrics
 
 

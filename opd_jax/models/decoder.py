@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig
-from opd_jax.models.moe import RouterInfo, experts_ragged, route, router_stats
+from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
@@ -129,20 +129,25 @@ def _dense_mlp(h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
 
 def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced: jax.Array | None,
              replay: jax.Array | None, valid: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Routed experts (+ shared experts) on h [B, T, H]; returns the output and (expert ids
-    [B, T, k], f [E], P [E], z-loss) over the valid [B, T] tokens (see `router_stats`).
-    forced/replay: expert ids [B, T, k] to use where replay [B, T] is set (routing replay)."""
+    """Routed experts (+ shared experts) on h [B, T, H]; returns the output and (expert ids used
+    [B, T, k], f [E], P [E], z-loss, flip fraction) over the valid [B, T] tokens (`router_stats`).
+    forced: an engine's expert ids [B, T, k] (-1 where it has none): used where replay [B, T]
+    is set (routing replay), and compared with this model's own choice (the flip fraction)."""
     B, T, H = h.shape
     flat = h.reshape(B * T, H)
     logits = jnp.einsum("nh,he->ne", flat.astype(jnp.float32), w["router"].astype(jnp.float32))
     ids, gates = route(logits, config.moe, w.get("router_bias"))
+    flips = jnp.zeros((), jnp.float32)
     if forced is not None:
-        chosen = jnp.where(replay.reshape(-1, 1), forced.reshape(B * T, -1), ids)
+        engine = forced.reshape(B * T, -1)
+        available = (engine[:, 0] >= 0) & valid.reshape(-1)
+        flips = flip_fraction(ids, engine, available)
+        chosen = jnp.where((replay.reshape(-1) & available)[:, None], engine, ids)
         ids, gates = route(logits, config.moe, w.get("router_bias"), forced=chosen)
     out = experts_ragged(flat, ids, gates, w["expert_gate"], w["expert_up"], w["expert_down"]).reshape(B, T, H)
     if "shared_gate" in w:
         out = out + _dense_mlp(h, {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]})
-    return out, (ids.reshape(B, T, -1), *router_stats(logits, ids, valid.reshape(-1)))
+    return out, (ids.reshape(B, T, -1), *router_stats(logits, ids, valid.reshape(-1)), flips)
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -227,9 +232,11 @@ class Backbone(nnx.Module):
         at slots cache.length .. cache.length+T-1 and attend to every earlier valid slot.
         unroll: layers per scan iteration (True: all). Unrolling compiles slower but lets XLA
         fuse across layers; it pays off in training steps (the backward of a scan is slower).
-        MoE models: routing [B, T, moe layers, k] expert ids used where replay [B, T] is set
-        (routing replay, R3); return_routing adds a RouterInfo (the expert ids used and the
-        routers' statistics per MoE layer; None for a dense model).
+        MoE models: routing [B, T, moe layers, k], an engine's expert ids (-1: none), used where
+        replay [B, T] is set (default: everywhere; routing replay, R3) and compared with this
+        model's own routing (RouterInfo.flip_fraction) everywhere; return_routing adds a
+        RouterInfo (the expert ids used and the routers' statistics per MoE layer; None for a
+        dense model).
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -255,7 +262,7 @@ class Backbone(nnx.Module):
                "moe": {k: params[k] for k in _MOE_MLP if k in params}}
         forced = None if routing is None else jnp.moveaxis(routing.astype(jnp.int32), 2, 0)  # [Lm, B, T, k]
         if forced is not None:
-            replay = jnp.ones((B, T), bool) if replay is None else replay.astype(bool)
+            replay = jnp.ones((B, T), bool) if replay is None else jnp.broadcast_to(replay, (B, T)).astype(bool)
 
         # One scan per run of consecutive layers of one kind (dense or MoE), so each scan's
         # weights are its own stacked slices. The cache rides in the carry (not xs/ys) so XLA
@@ -287,8 +294,9 @@ class Backbone(nnx.Module):
         if return_routing:
             info = None
             if used:
-                ids, f, P, z = (jnp.concatenate(parts) for parts in zip(*used))
-                info = RouterInfo(ids=jnp.moveaxis(ids, 0, 2), tokens_per_expert=f, prob_per_expert=P, z_loss=z)
+                ids, f, P, z, flips = (jnp.concatenate(parts) for parts in zip(*used))
+                info = RouterInfo(ids=jnp.moveaxis(ids, 0, 2), tokens_per_expert=f, prob_per_expert=P, z_loss=z,
+                                  flip_fraction=flips)
             return x, new_cache, info
         return x, new_cache
 

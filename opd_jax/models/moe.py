@@ -149,9 +149,17 @@ class RouterInfo:
     tokens_per_expert: jax.Array
     prob_per_expert: jax.Array
     z_loss: jax.Array
+    flip_fraction: jax.Array  # [layers]: of the tokens with an engine routing, those whose top-k set differs
 
 
 def router_stats(logits: jax.Array, ids: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(f [E], P [E], z-loss) of one layer's routing over the valid tokens."""
     E = logits.shape[-1]
     return tokens_per_expert(ids, E, valid), prob_per_expert(logits, valid), router_z_loss(logits, valid)
+
+
+def flip_fraction(own: jax.Array, engine: jax.Array, available: jax.Array) -> jax.Array:
+    """Of the tokens with an engine routing (`available` [N]), the fraction whose top-k expert set
+    under this model (`own` [N, k]) differs from the engine's (`engine` [N, k])."""
+    differs = jnp.any(jnp.sort(own, -1) != jnp.sort(engine, -1), axis=-1) & available
+    return differs.sum() / jnp.maximum(available.sum(), 1)

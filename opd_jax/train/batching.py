@@ -72,16 +72,23 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_i
     """tokens = prompt + output (right padding), response_mask = 1 on output tokens (the stop
     token included), logp_infer = the engine's log-prob at the same positions. Responses cut at
     max_new_tokens ("length"): "keep" trains on them as they are, "mask" drops them from the
-    loss, "penalize" sets their reward to truncation_penalty. Empty responses carry no tokens."""
+    loss, "penalize" sets their reward to truncation_penalty. Empty responses carry no tokens.
+    Rollouts of a MoE engine bring their expert ids (routing, -1 past each row's tokens)."""
     if truncated not in ("keep", "mask", "penalize"):
         raise ValueError(f"truncated must be 'keep', 'mask' or 'penalize', got {truncated!r}")
     tokens, attention, response = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts],
                                        pad_id=pad_id, length=length)
     logp = np.zeros(response.shape, np.float32)
     rewards = np.asarray(rewards, np.float32).copy()
+    routed = [r.routed_experts for r in rollouts]
+    routing = None
+    if all(x is not None for x in routed) and routed:  # a MoE engine's expert ids, for routing replay
+        routing = np.full((*response.shape, *np.shape(routed[0])[1:]), -1, np.int32)
     for i, r in enumerate(rollouts):
         p, n = len(r.prompt_ids), len(r.output_ids)
         logp[i, p:p + n] = r.output_logprobs
+        if routing is not None:
+            routing[i, :len(routed[i])] = routed[i]
         if r.finish_reason == "length":
             if truncated == "mask":
                 response[i] = 0
@@ -89,4 +96,4 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_i
                 rewards[i] = truncation_penalty
     return RolloutBatch(tokens=jnp.asarray(tokens), attention_mask=jnp.asarray(attention),
                         response_mask=jnp.asarray(response), logp_infer=jnp.asarray(logp),
-                        rewards=jnp.asarray(rewards))
+                        rewards=jnp.asarray(rewards), routing=None if routing is None else jnp.asarray(routing))
