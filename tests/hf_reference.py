@@ -19,14 +19,12 @@ FAMILY_CONFIGS = {
                       "original_max_position_embeddings": 32}),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=False),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True),
-    # MoE: layer 0 routed (softmax top-2 of 4, renormalised), layer 1 dense (mlp_only_layers)
+    # Qwen3-MoE: softmax top-3 of 8 without renormalisation, every second layer routed
+    # (decoder_sparse_step 2: layers 1 and 3) except those in mlp_only_layers (3), q/k/v/o biases
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False),
-    # every second layer routed (decoder_sparse_step 2: layers 1 and 3), gates not renormalised
-    "qwen3_moe_sparse_step": lambda: transformers.Qwen3MoeConfig(
         **{**TINY, "num_hidden_layers": 4}, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
-        norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True),
+        norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3], attention_bias=True,
+        tie_word_embeddings=False),
     # GLM-4.5: sigmoid router with a selection bias, 4 groups of 2 experts (best 2 groups eligible),
     # renormalised gates × 2.5, one shared expert, the first layer dense, half-rotary heads, q/k norm,
     # q/k/v biases

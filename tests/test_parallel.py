@@ -114,7 +114,7 @@ def test_sharded_step_equals_unsharded(unsharded, mesh_shape):
         np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (4, 1, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2)])
 def test_sharded_moe_step_equals_unsharded(mesh_shape):
     """A MoE model's step with its experts split over the data axis equals the one-device step."""
     state = make_state(step_optimizer(), step_optimizer(), config=TINY_MOE)
