@@ -103,10 +103,10 @@ class Checkpoints:
                            f"{kept}") from None
 
     def _remove_partial(self) -> bool:
+        """Remove what a failed save left under orbax's temporary names; True if there was any."""
         partial = [p for p in self.directory.iterdir() if ".orbax-checkpoint-tmp" in p.name]
         for p in partial:
             shutil.rmtree(p, ignore_errors=True)
-        # a failed save can leave a step directory without its commit marker (orbax's "complete")
         return bool(partial)
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
