@@ -14,10 +14,12 @@ A new algorithm is a new Task, never a new loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -156,13 +158,12 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
     session = None
     try:
         phases = _read_phases(run_dir) if resume else {}
-        setup_began = time.perf_counter()
         devices = jax.device_count()
         axes = ", ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1) or "of one"
         say(f"opd-jax {task.command}: {'resuming' if resume else 'new run in'} {run_dir} on {devices} "
             f"device{'s' if devices > 1 else ''} (mesh {axes})")
         timed = task.setup(run_dir, mesh, resuming=resume) or {}
-        _add(phases, "setup", time.perf_counter() - setup_began - sum(timed.values()) + (setup_began - began))
+        _add(phases, "setup", time.perf_counter() - began - sum(timed.values()))  # checks, run dir, models
         for name, seconds in timed.items():
             _add(phases, name, seconds)
         state, meta, start = task.create_state(), None, 0
@@ -202,6 +203,16 @@ def _add(phases: dict[str, float], name: str, seconds: float) -> None:
     phases[name] = phases.get(name, 0.0) + seconds
 
 
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time to phases[name]."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        _add(phases, name, time.perf_counter() - began)
+
+
 # Wall time per phase, kept beside the checkpoints (not in them: a checkpoint holds only what the
 # computation depends on, so a resumed run's checkpoints equal an uninterrupted run's).
 _PHASES = "wall_time.json"
@@ -223,10 +234,9 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
     vocab = task.policy.config.vocab_size
     score_fn = step_fn = None
     if start == 0 and config.logging.eval_at_start:
-        began = time.perf_counter()
         log.note("held-out evaluation")
-        log.log(0, session.evaluate(0), advance=False)
-        _add(phases, "evaluation", time.perf_counter() - began)
+        with _timed(phases, "evaluation"):
+            log.log(0, session.evaluate(0), advance=False)
     for step in range(start, config.steps):
         began = time.perf_counter()
         batch, rollouts, metrics = session.next_batch(step, vocab)
@@ -247,18 +257,16 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
         done = step + 1
         _add(phases, "first step (compiles)" if compiling else "steps", time.perf_counter() - began)
         if done % config.logging.eval_every == 0 or done == config.steps:
-            evaluated = time.perf_counter()
             log.note("held-out evaluation")
-            metrics.update(session.evaluate(done))
-            _add(phases, "evaluation", time.perf_counter() - evaluated)
+            with _timed(phases, "evaluation"):
+                metrics.update(session.evaluate(done))
         log.log(done, metrics)
         if compiling:
             log.restart_clock()
         stop = signals.requested()
         if done % config.checkpoint.every == 0 or done == config.steps or stop:
-            saved = time.perf_counter()
-            checkpoints.save(done, state, session.state())
-            _add(phases, "checkpoints", time.perf_counter() - saved)
+            with _timed(phases, "checkpoints"):
+                checkpoints.save(done, state, session.state())
             _write_phases(run_dir, phases)
         if stop and done < config.steps:
             raise Interrupted(f"{stop} after step {done} of {config.steps}: checkpoint saved (step {done}); continue "
