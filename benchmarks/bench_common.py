@@ -1,5 +1,5 @@
 """What every benchmark shares: best-of-n timing, the machine's matmul roofline measured in the
-same run, and the model-FLOP count of a decoder forward pass."""
+same run, the model-FLOP count of a decoder forward pass, and the t-interval of a mean over seeds."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from scipy import stats
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -42,3 +44,13 @@ def flops_per_token(config, context: float, *, head: bool = True) -> float:
 
 def machine() -> str:
     return f"{platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): Student's t-interval of the mean (n − 1 degrees of freedom)."""
+    x = np.asarray(values, np.float64)
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, float("nan"), float("nan")
+    half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
+    return mean, mean - half, mean + half

@@ -16,19 +16,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
+from bench_common import t_interval
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): Student's t-interval of the mean (n − 1 degrees of freedom)."""
-    x = np.asarray(values, np.float64)
-    mean = float(x.mean())
-    if len(x) < 2:
-        return mean, float("nan"), float("nan")
-    half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
-    return mean, mean - half, mean + half
 
 
 def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:

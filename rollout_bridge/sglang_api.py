@@ -8,9 +8,13 @@ UpdateWeightFromDiskReqInput, AbortReq) and `entrypoints/http_server.py` (`/gene
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 from typing import Any
+
+import numpy as np
 
 from opd_jax.errors import OpdJaxError
 from rollout_bridge.records import FinishReason, Request
@@ -43,10 +47,13 @@ def sampling_params_body(request: Request, max_new_tokens: int | None = None) ->
     return body
 
 
-def generate_body(request: Request, rid: str, *, stream: bool, prefix: tuple[int, ...] = ()) -> dict[str, Any]:
+def generate_body(request: Request, rid: str, *, stream: bool, prefix: tuple[int, ...] = (),
+                  routed_experts: bool = False) -> dict[str, Any]:
     """`POST /generate` for one request. `prefix`: output tokens already generated (a rollout
-    resumed after a refit), appended to the prompt; the budget shrinks by as many tokens."""
-    return {
+    resumed after a refit), appended to the prompt; the budget shrinks by as many tokens.
+    `routed_experts`: ask a MoE server for the experts of every token (it must run with
+    --enable-return-routed-experts)."""
+    body = {
         "rid": rid,
         "input_ids": [*request.prompt_ids, *prefix],
         "sampling_params": sampling_params_body(request, request.params.max_new_tokens - len(prefix)),
@@ -54,6 +61,9 @@ def generate_body(request: Request, rid: str, *, stream: bool, prefix: tuple[int
         "logprob_start_len": -1,
         "stream": stream,
     }
+    if routed_experts:
+        body["return_routed_experts"] = True
+    return body
 
 
 def score_body(input_ids: list[int], rid: str) -> dict[str, Any]:
@@ -82,6 +92,7 @@ class Output:
     completion_tokens: int
     weight_version: str | None
     abort_message: str | None = None
+    routed_experts: str | None = None  # meta_info.routed_experts as sent (base64), see `decode_routed_experts`
 
 
 def _finish(meta: dict[str, Any]) -> tuple[FinishReason | None, str | None]:
@@ -123,8 +134,11 @@ def parse_output(payload: Any) -> Output:
                             f"disagree")
     completion = meta.get("completion_tokens", len(ids))
     version = meta.get("weight_version")
+    routed = meta.get("routed_experts")
+    if routed is not None and not isinstance(routed, str):
+        raise ProtocolError(f"meta_info.routed_experts should be a base64 string, got {type(routed).__name__}")
     return Output(tuple(ids), tuple(lp for lp, _ in pairs), finish, int(completion),
-                  None if version is None else str(version), abort_message)
+                  None if version is None else str(version), abort_message, routed)
 
 
 def merge_stream(so_far: Output | None, event: Output) -> Output:
@@ -137,7 +151,37 @@ def merge_stream(so_far: Output | None, event: Output) -> Output:
     if len(ids) != event.completion_tokens:
         raise ProtocolError(f"stream event reports {event.completion_tokens} completion tokens, but "
                             f"{len(ids)} arrived")
-    return dataclasses.replace(event, output_ids=ids, logprobs=logprobs)
+    return dataclasses.replace(event, output_ids=ids, logprobs=logprobs,
+                               routed_experts=event.routed_experts or so_far.routed_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingLayout:
+    """How a MoE server lays out `routed_experts`: `num_layers` decoder layers (dense ones
+    filled with -1), of which `moe_layers` route, `k` experts per token."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    k: int
+
+
+def decode_routed_experts(text: str, n_tokens: int, layout: RoutingLayout) -> np.ndarray:
+    """meta_info.routed_experts: base64 of int32 [n_tokens - 1, num_layers, k] (every token of
+    prompt and output but the last, which no forward pass has routed yet), as
+    [n_tokens, len(moe_layers), k] with the last token's experts -1 (none recorded)."""
+    try:
+        flat = np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4")
+    except (binascii.Error, ValueError) as e:
+        raise ProtocolError(f"meta_info.routed_experts is not base64 of int32 ids ({e})") from None
+    per_token = layout.num_layers * layout.k
+    if flat.size != (n_tokens - 1) * per_token:
+        raise ProtocolError(f"meta_info.routed_experts holds {flat.size} ids; {n_tokens - 1} routed tokens x "
+                            f"{layout.num_layers} layers x top-{layout.k} = {(n_tokens - 1) * per_token} expected "
+                            f"(is the server's model the policy?)")
+    ids = flat.reshape(n_tokens - 1, layout.num_layers, layout.k)[:, list(layout.moe_layers)]
+    out = np.full((n_tokens, len(layout.moe_layers), layout.k), -1, np.int32)
+    out[:-1] = ids
+    return out
 
 
 def sse_data(line: str) -> Any | None:

@@ -58,7 +58,8 @@ class SGLangEngine:
                  request_timeout_s: float = 300.0, connect_timeout_s: float = 10.0, max_retries: int = 5,
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_concurrency: int = 256,
                  refit: RefitMode = "auto", refit_dir: str | Path = "refit",
-                 interrupted: Literal["resume", "discard"] = "resume", weight_version: int = 0):
+                 interrupted: Literal["resume", "discard"] = "resume", weight_version: int = 0,
+                 routing: api.RoutingLayout | None = None):
         self.urls = list(urls) or (servers.urls if servers else [])
         if not self.urls:
             raise EngineError("SGLangEngine needs server URLs or a ServerGroup to launch")
@@ -78,6 +79,7 @@ class SGLangEngine:
         self._version = weight_version
         self.stats = EngineStats()
         self._launched = False
+        self.routing = routing  # a MoE policy's layout: ask for every token's experts (routing replay)
 
     @property
     def weight_version(self) -> int:
@@ -169,7 +171,8 @@ class SGLangEngine:
                     self._load[url] += 1
                     try:
                         out = await self._attempt(flight, url, api.generate_body(
-                            request, flight.rid, stream=self.stream_responses, prefix=prefix_ids))
+                            request, flight.rid, stream=self.stream_responses, prefix=prefix_ids,
+                            routed_experts=self.routing is not None))
                     except _Retryable as e:
                         interrupted = self._pause_epoch != epoch
                         if flight.partial is not None and flight.partial.output_ids and self.interrupted == "resume":
@@ -191,12 +194,11 @@ class SGLangEngine:
                         self._load[url] -= 1
                     served = int(out.weight_version) if out.weight_version not in (None, "") and \
                         out.weight_version.isdigit() else version
-                    if out.finish_reason != "abort":
-                        return self._rollout(request, prefix_ids + out.output_ids, prefix_logprobs + out.logprobs,
-                                             out.finish_reason, [*versions, served], began)
-                    if flight.aborted:
-                        return self._rollout(request, prefix_ids + out.output_ids, prefix_logprobs + out.logprobs,
-                                             "abort", [*versions, served], began)
+                    if out.finish_reason != "abort" or flight.aborted:
+                        rollout = self._rollout(request, prefix_ids + out.output_ids, prefix_logprobs + out.logprobs,
+                                                out.finish_reason if not flight.aborted else "abort",
+                                                [*versions, served], began)
+                        return self._with_routing(request, rollout, out, attempts)
                     if self._pause_epoch != epoch or not self._running.is_set():
                         self.stats.interrupted += 1
                         attempts -= 1
@@ -223,6 +225,23 @@ class SGLangEngine:
         self.stats.retries += 1
         await asyncio.sleep(self._backoff(attempts))
         return None
+
+    def _with_routing(self, request: Request, rollout: Rollout, out: api.Output, attempts: int) -> Completion:
+        """The rollout with the experts the server routed its tokens to, when asked for (a
+        server that sends none cannot replay: a Failure that says how to start it)."""
+        if self.routing is None:
+            return rollout
+        if out.routed_experts is None:
+            self.stats.failures += 1
+            return Failure(request, "the server sent no meta_info.routed_experts for routing replay: "
+                           "start it with --enable-return-routed-experts", attempts)
+        try:
+            routed = api.decode_routed_experts(out.routed_experts, len(rollout.prompt_ids) + len(rollout.output_ids),
+                                               self.routing)
+        except api.ProtocolError as e:
+            self.stats.failures += 1
+            return Failure(request, str(e), attempts)
+        return dataclasses.replace(rollout, routed_experts=routed)
 
     @staticmethod
     def _rollout(request: Request, ids, logprobs, finish, versions: list[int], began: float) -> Rollout:

@@ -33,13 +33,14 @@ CONFIG = ModelConfig(family="llama", vocab_size=TOKENIZER.vocab_size, hidden_siz
                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=128, max_position_embeddings=512)
 
 
-def sglang_python() -> Path:
+def sglang_python(routed_experts: bool = False) -> Path:
     try:
-        return sglang_jax.python()
+        return sglang_jax.python(routed_experts=routed_experts)
     except FileNotFoundError:
-        subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_jax_env.py"), str(sglang_jax.DEFAULT_VENV)],
-                       check=True)
-        return sglang_jax.python()
+        flags = ["--routed-experts", str(sglang_jax.ROUTED_EXPERTS_VENV)] if routed_experts else \
+            [str(sglang_jax.DEFAULT_VENV)]
+        subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_jax_env.py"), *flags], check=True)
+        return sglang_jax.python(routed_experts=routed_experts)
 
 
 def tiny_model(seed: int) -> Decoder:
@@ -51,9 +52,12 @@ def save_tiny(directory: Path, seed: int) -> Path:
     return directory
 
 
-def launch_spec(log_dir: Path, **command_kwargs) -> LaunchSpec:
-    return LaunchSpec(tuple(sglang_jax.command(sglang_python(), **command_kwargs)),
-                      env=tuple(sglang_jax.ENV.items()), startup_timeout_s=600, log_dir=log_dir)
+def launch_spec(log_dir: Path, routed_experts: bool = False, **command_kwargs) -> LaunchSpec:
+    """sglang-jax 0.0.2 (patched), or with routed_experts the 0.1 server that returns them."""
+    env = sglang_jax.ROUTED_EXPERTS_ENV if routed_experts else sglang_jax.ENV
+    return LaunchSpec(tuple(sglang_jax.command(sglang_python(routed_experts), routed_experts=routed_experts,
+                                               **command_kwargs)),
+                      env=tuple(env.items()), startup_timeout_s=600, log_dir=log_dir)
 
 
 @contextlib.contextmanager

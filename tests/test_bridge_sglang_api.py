@@ -64,3 +64,36 @@ def test_resumed_request_continues_within_its_budget():
     body = api.generate_body(Request((1, 2), SamplingParams(max_new_tokens=10)), "r", stream=False, prefix=(5, 6, 7))
     assert body["input_ids"] == [1, 2, 5, 6, 7] and body["sampling_params"]["max_new_tokens"] == 7
     assert body["sampling_params"]["top_k"] == -1 and body["sampling_params"]["no_stop_trim"] is True
+
+
+def test_routed_experts_are_asked_for_only_when_replaying():
+    request = Request((1, 2), SamplingParams(max_new_tokens=4))
+    assert "return_routed_experts" not in api.generate_body(request, "r", stream=True)
+    assert api.generate_body(request, "r", stream=True, routed_experts=True)["return_routed_experts"] is True
+
+
+def test_routed_experts_decode_to_the_moe_layers_of_every_token():
+    """SGLang's layout (sgl_jax routed_experts_capturer): int32 [tokens - 1, all layers, k] in
+    base64, -1 in dense layers; the last token has not been routed."""
+    import base64
+
+    import numpy as np
+    rng = np.random.default_rng(0)
+    n_tokens, layout = 7, api.RoutingLayout(num_layers=4, moe_layers=(1, 3), k=2)
+    sent = rng.integers(0, 8, (n_tokens - 1, 4, 2)).astype(np.int32)
+    sent[:, [0, 2]] = -1
+    text = base64.b64encode(sent.astype("<i4").tobytes()).decode()
+    final = event([4, 9], {"type": "stop"})
+    final["meta_info"]["routed_experts"] = text
+    out = fold([event([4]), final])  # the last stream event carries them
+    got = api.decode_routed_experts(out.routed_experts, n_tokens, layout)
+    assert got.shape == (n_tokens, 2, 2) and got.dtype == np.int32
+    np.testing.assert_array_equal(got[:-1, 0], sent[:, 1])
+    np.testing.assert_array_equal(got[:-1, 1], sent[:, 3])
+    assert (got[-1] == -1).all()
+    with pytest.raises(api.ProtocolError, match="48 ids; 7 routed tokens x 4 layers x top-2 = 56 expected"):
+        api.decode_routed_experts(text, n_tokens + 1, layout)
+    with pytest.raises(api.ProtocolError, match="routed_experts is not base64"):
+        api.decode_routed_experts("not base64!", n_tokens, layout)
+    with pytest.raises(api.ProtocolError, match="routed_experts should be a base64 string"):
+        api.parse_output({"output_ids": [], "meta_info": {"routed_experts": [1, 2]}})

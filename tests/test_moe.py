@@ -226,3 +226,45 @@ def test_routing_replay_reproduces_the_engines_logits_under_a_different_routing(
     assert float(router.flip_fraction[0]) > 0.3  # the trainer alone chooses other experts...
     assert np.abs(np.asarray(own) - engine_logits)[real].max() > 1e-3  # ...and its logits differ
     np.testing.assert_allclose(replayed[real], engine_logits[real], rtol=0, atol=1e-5)
+
+
+def test_the_warm_start_trains_a_moe_policys_routers_toward_balance():
+    """sft.router_balance_coef adds c · the load-balancing loss to the cross-entropy: under plain
+    SGD the update with it minus the update without is −c · ∇(balance loss), the balance loss
+    taken from a forward pass of its own."""
+    import functools
+
+    import optax
+    from flax import nnx
+    from ppo_setup import rollout_batch
+
+    from opd_jax.core import sft_step
+    from opd_jax.core.state import PolicyState
+    from opd_jax.models import Decoder, ModelConfig
+    from opd_jax.models.moe import MoEConfig
+
+    config = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8,
+                         moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=16, dense_layers=(0,)))
+    batch = rollout_batch(0)
+    state = PolicyState.create(Decoder(config, rngs=nnx.Rngs(0)), optax.sgd(1.0))
+
+    def update(coef: float):
+        new, metrics = jax.jit(functools.partial(sft_step, router_balance_coef=coef))(state, batch)
+        return jax.tree.map(lambda a, b: a - b, new.params, state.params), metrics
+
+    plain, _ = update(0.0)
+    weighted, metrics = update(0.25)
+    np.testing.assert_allclose(float(metrics["sft/total_loss"]) - float(metrics["sft/loss"]),
+                               0.25 * float(metrics["sft/moe/balance_loss"]), rtol=1e-5)
+
+    def balance(params):
+        _, router = nnx.merge(state.graphdef, params)(batch.tokens, attention_mask=batch.attention_mask,
+                                                      return_routing=True)
+        return load_balancing_loss(router.tokens_per_expert, router.prob_per_expert)
+
+    grads = jax.grad(balance)(state.params)
+    for d_w, d_p, g in zip(jax.tree.leaves(weighted), jax.tree.leaves(plain), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(d_w - d_p), -0.25 * np.asarray(g), atol=2e-6)
+    router_grad = grads["backbone"]["layers"]["router"].value
+    assert float(jnp.abs(router_grad).max()) > 1e-4  # the balance loss does reach the routers

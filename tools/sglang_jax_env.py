@@ -21,6 +21,13 @@ exact source edit that fails loudly if the file differs from the one it was writ
    with --disable-overlap-schedule; and logprobs leave as numpy scalars that the streaming
    encoder cannot write, so they are turned into Python floats.
 
+A second environment, `python tools/sglang_jax_env.py --routed-experts [VENV_DIR]` (default
+.sglang-jax-moe-venv), holds sglang-jax 0.1.0rc0: the first release that serves Qwen3-MoE with
+`return_routed_experts` (routing replay). It runs with flax modules as pytrees and without the
+grammar backend (which cannot read the character tokenizer); its stream encoder gets numpy
+scalars (logprobs) it cannot write, mended as in 6. Its dense path fails on the CPU (KV-cache
+sharding), so the dense tests stay on 0.0.2.
+
 Idempotent: a marker file records the pinned versions and the patch set.
 """
 
@@ -34,6 +41,14 @@ import sys
 from pathlib import Path
 
 PINS = ["sglang-jax==0.0.2", "flax==0.12.0", "jax[tpu]==0.8.3", "jaxlib==0.8.3", "typing-extensions~=4.14.1"]
+
+ROUTED_EXPERTS_PINS = ["sglang-jax[cpu]==0.1.0rc0"]
+ROUTED_EXPERTS_PATCHES: list[tuple[str, str, str]] = [
+    ("sgl_jax/srt/entrypoints/http_server.py",
+     f"\n{indent}yield (b\"data: \" + orjson.dumps(out, option=orjson.OPT_NON_STR_KEYS)",
+     f"\n{indent}yield (b\"data: \" + orjson.dumps(out, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)")
+    for indent in (" " * 20, " " * 16)
+]
 
 PATCHES: list[tuple[str, str, str]] = [
     ("sgl_jax/srt/layers/sampler.py",
@@ -108,37 +123,42 @@ def python312() -> str:
     raise SystemExit("sglang-jax needs Python 3.12; none found (set OPD_JAX_PYTHON312 to its path)")
 
 
-def signature() -> str:
-    return hashlib.sha256(repr((PINS, PATCHES)).encode()).hexdigest()[:16]
+def signature(pins: list[str], patches: list[tuple[str, str, str]]) -> str:
+    return hashlib.sha256(repr((pins, patches)).encode()).hexdigest()[:16]
 
 
-def apply_patches(site_packages: Path) -> None:
-    for relative, old, new in PATCHES:
+def apply_patches(site_packages: Path, patches: list[tuple[str, str, str]]) -> None:
+    for relative, old, new in patches:
         path = site_packages / relative
         text = path.read_text()
         if new in text and old not in text:
             continue
         if text.count(old) != 1:
             raise SystemExit(f"{path}: the code this patch mends is not there as expected; "
-                             f"sglang-jax is not the pinned {PINS[0]}")
+                             f"sglang-jax is not the pinned version")
         path.write_text(text.replace(old, new))
 
 
-def build(venv: Path) -> Path:
+def build(venv: Path, routed_experts: bool = False) -> Path:
     """Create (or reuse) the environment; returns its python."""
+    pins, patches = (ROUTED_EXPERTS_PINS, ROUTED_EXPERTS_PATCHES) if routed_experts else (PINS, PATCHES)
     python = venv / "bin" / "python"
     marker = venv / ".opd_jax_env"
-    if marker.exists() and marker.read_text() == signature() and python.exists():
+    if marker.exists() and marker.read_text() == signature(pins, patches) and python.exists():
         return python
     if not python.exists():
         subprocess.run([python312(), "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PINS], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins], check=True)
     site = subprocess.run([str(python), "-c", "import sgl_jax, pathlib; print(pathlib.Path(sgl_jax.__file__).parent.parent)"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    apply_patches(Path(site))
-    marker.write_text(signature())
+    apply_patches(Path(site), patches)
+    marker.write_text(signature(pins, patches))
     return python
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1] if len(sys.argv) > 1 else ".sglang-jax-venv").resolve()))
+    args = sys.argv[1:]
+    moe = "--routed-experts" in args
+    args = [a for a in args if a != "--routed-experts"]
+    default = ".sglang-jax-moe-venv" if moe else ".sglang-jax-venv"
+    print(build(Path(args[0] if args else default).resolve(), routed_experts=moe))

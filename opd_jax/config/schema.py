@@ -263,6 +263,9 @@ class SFTSection(Section):
     """Demonstrations per update."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3)
     """The warm start's optimizer."""
+    router_balance_coef: float = Field(0.01, ge=0)
+    """MoE policies: weight of the routers' load-balancing loss (as pre-training uses; without it a
+    fresh MoE sends nearly every token to the same experts). No effect on dense models."""
 
 
 class CheckpointSection(Section):

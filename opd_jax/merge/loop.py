@@ -49,6 +49,7 @@ class OPDTask:
 
     command = "merge"
     nonfinite_inputs = "log-probs or rewards"
+    replays_routing = False
     teachers: Teachers | None = None
 
     def __init__(self, config: MergeConfig):

@@ -19,6 +19,7 @@ from opd_jax.train.build import engine_model
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.servers import LaunchSpec, ServerGroup
+from rollout_bridge.sglang_api import RoutingLayout
 from rollout_bridge.sglang_engine import SGLangEngine
 
 
@@ -46,9 +47,17 @@ def sglang_engine(section: SGLangClientSection, urls: Sequence[str], *, model_di
                                      **options))
 
 
+def routing_layout(config: ModelConfig) -> RoutingLayout | None:
+    """Where a MoE policy's experts sit in an SGLang server's routed_experts (None: dense)."""
+    if config.moe is None:
+        return None
+    return RoutingLayout(config.num_layers, tuple(config.moe_layers), config.moe.experts_per_token)
+
+
 def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max_cache_len: int, pad_id: int,
-                refit_dir: Path) -> EngineThread:
-    """A started engine serving `update` (the policy the run starts from)."""
+                refit_dir: Path, routing: RoutingLayout | None = None) -> EngineThread:
+    """A started engine serving `update` (the policy the run starts from). `routing`: SGLang
+    servers are asked for the experts of every token (the embedded engine always records them)."""
     if rollout.engine == "embedded":
         sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version)
         return EngineThread(EmbeddedEngine(sampler, seed=seed))
@@ -59,7 +68,8 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
         update.save_hf(initial)
     thread = sglang_engine(section, section.urls, model_dir=initial, log_dir=refit_dir.parent / "sglang_logs",
                            stream=section.stream, refit=section.refit, refit_dir=refit_dir,
-                           interrupted=rollout.interrupted, weight_version=update.version)
+                           interrupted=rollout.interrupted, weight_version=update.version,
+                           routing=routing)
     try:
         thread.start().result()
         if section.launch is None:  # servers someone else started: make them serve this run's policy

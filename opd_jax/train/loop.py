@@ -46,8 +46,8 @@ class PPOTask:
         self.config = config
         self.data = config.data
         temperature = scoring_temperature(config.rollout)
-        self.scoring_fn = functools.partial(score_batch, temperature=temperature,
-                                            routing_replay=config.algorithm.ppo.routing_replay == "r3")
+        self.replays_routing = config.algorithm.ppo.routing_replay == "r3"
+        self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing)
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
                                          group_size=config.rollout.samples_per_prompt, temperature=temperature)
 

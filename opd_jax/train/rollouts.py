@@ -23,7 +23,7 @@ from opd_jax.models import Decoder, Tokenizer
 from opd_jax.rewards import RewardError, load_reward_fn
 from opd_jax.train.batching import drop_bad_rewards, rollout_rewards, rollouts_to_batch
 from opd_jax.train.build import encode_prompt, stop_ids
-from opd_jax.train.engines import make_engine, weight_update
+from opd_jax.train.engines import make_engine, routing_layout, weight_update
 from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import evaluate
 from rollout_bridge.pipe import PipeError, RolloutPipe
@@ -37,7 +37,8 @@ class RolloutSession:
     a resumed run draws the same prompts and samples as an uninterrupted one."""
 
     def __init__(self, *, rollout: RolloutSection, data: DataSection, seed: int, policy: Decoder, params: nnx.State,
-                 tokenizer: Tokenizer, run_dir: Path, version: int = 0, resume: dict[str, Any] | None = None):
+                 tokenizer: Tokenizer, run_dir: Path, version: int = 0, resume: dict[str, Any] | None = None,
+                 record_routing: bool = False):
         self.rollout, self.data, self.seed = rollout, data, seed
         self.policy_config, self.tokenizer = policy.config, tokenizer
         self.reward_fn = load_reward_fn(data.reward_fn) if data.reward_fn else None
@@ -56,7 +57,8 @@ class RolloutSession:
         try:
             self.engine = make_engine(rollout, seed, self._update(params, version),
                                       max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
-                                      pad_id=tokenizer.pad_token_id or 0, refit_dir=run_dir / "refit")
+                                      pad_id=tokenizer.pad_token_id or 0, refit_dir=run_dir / "refit",
+                                      routing=routing_layout(policy.config) if record_routing else None)
         except EngineError as e:
             raise RunError(f"the rollout engine did not start: {e}") from None
         self.pipe = RolloutPipe(self.engine, self._next_group, max_staleness=rollout.max_staleness,

@@ -61,6 +61,7 @@ class Task(Protocol):
     scoring_fn: Any  # (state, RolloutBatch) -> RolloutBatch with θ_old filled (pure; the runner jits it)
     step_fn: Any  # (state, step input) -> (state, metrics) (pure; the runner jits it)
     nonfinite_inputs: str  # what the step's "nonfinite_inputs" counts, for the error message
+    replays_routing: bool  # a MoE policy trains on the engine's experts: the engine must record them
 
     def check_inputs(self) -> None:
         """Every input (models, data files, reward function, ...) checked without loading weights:
@@ -174,7 +175,7 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
         state = shard(state, tree_shardings(state, mesh))
         session = RolloutSession(rollout=config.rollout, data=task.data, seed=config.seed, policy=task.policy,
                                  params=task.policy_params(state), tokenizer=task.tokenizer, run_dir=run_dir,
-                                 version=start, resume=meta)
+                                 version=start, resume=meta, record_routing=task.replays_routing)
         log = MetricsLog(run_dir, config.steps, start, tensorboard=config.logging.tensorboard,
                          progress_bar=config.logging.progress_bar, description=task.command)
         try:

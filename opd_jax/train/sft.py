@@ -3,6 +3,7 @@ answer tokens (and the stop token), sharded like the PPO step."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_p
                                         config.data.chat_template)
             if step is None:
                 bar.set_postfix_str("compiling the step")
-                step = sharded_step(sft_step, state, batch, mesh)
+                step = sharded_step(functools.partial(sft_step, router_balance_coef=config.sft.router_balance_coef),
+                                    state, batch, mesh)
             state, metrics = step(state, shard(batch, batch_shardings(batch, mesh)))
             row = {"step": i + 1, **{k: float(v) for k, v in metrics.items()}}
             log.write(json.dumps(row) + "\n")
