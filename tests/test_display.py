@@ -66,4 +66,7 @@ def test_the_warm_start_loss_reaches_tensorboard_and_the_summary_matches_the_met
     first, last = rows[0], rows[-1]
     assert re.search(rf"\n  max +{first['eval/max/accuracy']:.3f} +{last['eval/max/accuracy']:.3f}\n", summary), summary
     assert "wall time: setup 1s, steps 1m05s (total 1m06s)" in summary
+    dlogp = np.mean([r["mismatch_abs_logp_diff"] for r in rows if "mismatch_abs_logp_diff" in r])
+    assert f"mismatch (mean over 2 steps): |Δlogp| {dlogp:.4f}, outside the band" in summary
+    assert "routing flips" not in summary  # a dense policy
     assert "hf_policy/" not in summary and "metrics.jsonl" in summary  # TINY exports no policy

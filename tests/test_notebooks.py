@@ -9,7 +9,9 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).parents[1]
 
 
-def run_notebook(name, out, monkeypatch, devices=8):
+def run_notebook(name, out, monkeypatch, devices=1):
+    """One device by default, as a user's CPU has: the steps' sharding is tested elsewhere, and
+    eight simulated devices on two cores double a notebook's time."""
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_SCALE", "small")
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_OUT", str(out))
     monkeypatch.setenv("OPD_JAX_QUICKSTART", str(ROOT / "configs" / "quickstart.yaml"))
@@ -48,9 +50,7 @@ def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
 def test_opd_merge_notebook(tmp_path, monkeypatch):
     """Three domains at test size: base, experts, merge. The merged student comes close to every
     expert on the expert's own domain and beats averaging the experts' weights."""
-    # one device, as a user's CPU has: the merge's sharding is checked in test_merge_loop, and
-    # eight simulated devices on two cores would double this, the suite's longest test
-    summary = run_notebook("opd_merge", tmp_path, monkeypatch, devices=1)
+    summary = run_notebook("opd_merge", tmp_path, monkeypatch)
     table = summary["domains"]
     assert set(table) == {"addition", "count", "max"}
     for domain, row in table.items():

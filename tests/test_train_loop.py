@@ -1,5 +1,6 @@
 """The training loop end to end at test size, on a (2, 2, 2) mesh of simulated devices: reward
-rises; a killed and resumed run ends exactly where an uninterrupted one does; an incomplete
+rises; a killed and resumed run (of a MoE policy with routing replay) ends exactly where an
+uninterrupted one does; an incomplete
 checkpoint is skipped; bad data and NaN rewards stop the run with the culprit named."""
 
 import json
@@ -13,7 +14,7 @@ from opd_jax.config import load_config
 from opd_jax.data import DataError
 from opd_jax.train import RunError, train
 from opd_jax.train.checkpoint import Checkpoints
-from opd_jax.train.metrics import read_metrics
+from opd_jax.train.metrics import read_metrics, run_summary
 
 
 def config(tmp_path, *extra):
@@ -58,7 +59,11 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, straight_
     resumed = train(interrupted, resume=True)
 
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
-    assert strip(read_metrics(resumed / "metrics.jsonl")) == strip(read_metrics(straight / "metrics.jsonl"))
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert strip(read_metrics(resumed / "metrics.jsonl")) == strip(rows)
+    assert "policy/moe/layer1/flip_frac" in rows[-1]  # a MoE policy, trained on the engine's routing
+    flips = np.mean([r["policy/moe/flip_frac"] for r in rows if "policy/moe/flip_frac" in r])
+    assert f"routing flips {flips:.2%} of token-layers" in run_summary(straight, {})
     a, meta_a = final_params(straight, _like(straight))
     b, meta_b = final_params(resumed, _like(straight))
     assert meta_a == meta_b and int(a.step) == int(b.step) == 6

@@ -122,7 +122,8 @@ def plot_curves(metrics_path: Path, out: Path) -> None:
 
 def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
     """What a finished run did, for the terminal: held-out accuracy per domain at the first and
-    last evaluation, wall time per phase, and where the artifacts are."""
+    last evaluation, the train/inference mismatch over the steps (and a MoE policy's routing
+    flips), wall time per phase, and where the artifacts are."""
     rows = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
     lines = []
@@ -137,6 +138,14 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
             lines.append(f"{'  ' + names[key]:<{width}}{first.get(key, float('nan')):>10.3f}{last[key]:>10.3f}")
     else:
         lines.append("held-out accuracy: none (no held-out prompts)")
+    steps = [r for r in rows if "mismatch_abs_logp_diff" in r]
+    if steps:
+        mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
+        line = (f"mismatch (mean over {len(steps)} steps): |Δlogp| {mean('mismatch_abs_logp_diff'):.4f}, "
+                f"outside the band {mean('mismatch_outside_band_frac'):.2%}")
+        if "policy/moe/flip_frac" in steps[-1]:
+            line += f", routing flips {mean('policy/moe/flip_frac'):.2%} of token-layers"
+        lines.append(line)
     lines.append("wall time: " + ", ".join(f"{name} {_duration(s)}" for name, s in phases.items())
                  + f" (total {_duration(sum(phases.values()))})")
     files = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir() if not p.name.startswith("."))
