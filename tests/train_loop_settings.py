@@ -12,8 +12,9 @@ TINY = [
 ]
 
 # a run long enough to kill and resume: checkpoints at steps 2, 4, 6; its policy a mixture of
-# experts (experts sharded over the data axis) trained with routing replay, so an exact resume
-# covers the engine's recorded routing too
+# experts (experts sharded over the data axis) trained with routing replay, its engine's weights
+# perturbed so that some tokens are routed differently: an exact resume covers the engine's
+# recorded routing too
 RESUME_ARGS = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=3",
-               "model.fresh.family=qwen3_moe", "algorithm.ppo.routing_replay=r3",
+               "model.fresh.family=qwen3_moe", "algorithm.ppo.routing_replay=r3", "rollout.inject_weight_noise=0.1",
                "model.fresh.moe={num_experts: 4, experts_per_token: 2, intermediate_size: 32, dense_layers: [0]}"]

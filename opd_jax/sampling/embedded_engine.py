@@ -10,6 +10,7 @@ An abort or pause takes effect between batches: a batch in flight finishes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -90,8 +91,7 @@ class EmbeddedEngine:
                                                [r.metadata for r in live])
         latency = time.perf_counter() - began
         for request, rollout in zip(live, rollouts):
-            yield Rollout(rollout.prompt_ids, rollout.output_ids, rollout.output_logprobs, rollout.finish_reason,
-                          rollout.weight_version, rollout.metadata, request.request_id, latency)
+            yield dataclasses.replace(rollout, request_id=request.request_id, latency_s=latency)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         if update.model is None:
