@@ -84,6 +84,10 @@ class EngineThread(LoopThread):
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    @property
+    def logprob_convention(self) -> str:
+        return self.engine.logprob_convention
+
     def close(self) -> None:
         try:
             self.run(self.engine.close(), timeout=180)  # launched servers get time to stop

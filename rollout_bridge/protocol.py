@@ -33,9 +33,19 @@ class EngineError(OpdJaxError, RuntimeError):
     """An engine that cannot do what was asked (refit rejected, no server healthy, ...)."""
 
 
+# What a rollout's log-probs are of: the tempered distribution log_softmax(logits / T), before
+# top-k / top-p truncation (SGLang's default), the one the trainer scores; or of the untempered
+# logits (SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB set), which a trainer at T != 1 cannot
+# compare with.
+TEMPERED_UNTRUNCATED = "tempered, untruncated"
+UNTEMPERED_UNTRUNCATED = "untempered, untruncated"
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the loop needs from a rollout engine."""
+
+    logprob_convention: str  # TEMPERED_UNTRUNCATED or UNTEMPERED_UNTRUNCATED
 
     @property
     def weight_version(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -24,7 +25,7 @@ from typing import Literal
 import httpx
 
 from rollout_bridge import sglang_api as api
-from rollout_bridge.protocol import EngineError, WeightUpdate
+from rollout_bridge.protocol import TEMPERED_UNTRUNCATED, UNTEMPERED_UNTRUNCATED, EngineError, WeightUpdate
 from rollout_bridge.records import Completion, Failure, Request, Rollout
 from rollout_bridge.servers import ServerGroup
 
@@ -80,6 +81,12 @@ class SGLangEngine:
         self.stats = EngineStats()
         self._launched = False
         self.routing = routing  # a MoE policy's layout: ask for every token's experts (routing replay)
+        # SGLang reports log_softmax(logits / T) before top-k/top-p, unless a server it launched is
+        # told to report the untempered log-probs; servers someone else runs are taken as default
+        env = {**os.environ, **dict(servers.spec.env)} if servers else {}
+        original = env.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "")
+        self.logprob_convention = UNTEMPERED_UNTRUNCATED if original.lower() in ("1", "true", "yes") else \
+            TEMPERED_UNTRUNCATED
 
     @property
     def weight_version(self) -> int:

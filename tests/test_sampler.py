@@ -179,3 +179,38 @@ def test_truncation_property_against_numpy(logits, top_k, top_p):
         assert np.isfinite(ours[row, logits[row].argmax()])
         if len(np.unique(logits[row])) == logits.shape[1]:
             np.testing.assert_array_equal(np.isinf(ours[row]), np.isinf(ref))
+
+
+def test_truncated_sampling_logprobs_compare_like_with_like():
+    """top_p 0.8, top_k 20 at T = 0.7, f32 engine and f32 trainer: the engine reports log-probs of
+    the tempered distribution before truncation, the trainer scores the same distribution, so no
+    token's ratio leaves [0.99, 1.01]. Had the engine reported the truncated, renormalised
+    distribution it samples from (TRL's bug), many would."""
+    from opd_jax.core import policy_logprobs
+    from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics
+    from opd_jax.train.batching import rollouts_to_batch
+
+    model = make_model(scale=3.0)
+    rng = np.random.default_rng(2)
+    prompts = ragged_prompts(rng, [4, 9, 6, 2] * 4)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.8, top_k=20)
+    rollouts = Sampler(model).generate(prompts, params, jax.random.key(3))
+    batch = rollouts_to_batch(rollouts, np.zeros(len(rollouts)), pad_id=0)
+    graphdef, state = nnx.split(model)
+    trainer = policy_logprobs(graphdef, state, batch, temperature=0.7)
+    band = dict(correction=MismatchCorrection("icepop", lo=0.99, hi=1.01))
+    ours = mismatch_metrics(trainer, batch.logp_infer, batch.response_mask, **band)
+    assert float(ours["mismatch_outside_band_frac"]) == 0.0
+
+    # the truncated convention: log-probs renormalised over each step's kept tokens
+    logits = np.asarray(model(batch.tokens)) / 0.7
+    kept = np.asarray(truncate_top_k_top_p(jnp.asarray(logits.reshape(-1, logits.shape[-1])),
+                                           jnp.full(logits.shape[0] * logits.shape[1], 20),
+                                           jnp.full(logits.shape[0] * logits.shape[1], 0.8))).reshape(logits.shape)
+    renormalised = jax.nn.log_softmax(jnp.asarray(kept), axis=-1)
+    truncated = np.zeros_like(np.asarray(batch.logp_infer))
+    tokens = np.asarray(batch.tokens)
+    truncated[:, 1:] = np.take_along_axis(np.asarray(renormalised)[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+    truncated = np.where(np.asarray(batch.response_mask) > 0, truncated, 0.0)
+    theirs = mismatch_metrics(trainer, jnp.asarray(truncated), batch.response_mask, **band)
+    assert float(theirs["mismatch_outside_band_frac"]) > 0.3, float(theirs["mismatch_outside_band_frac"])

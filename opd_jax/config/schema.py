@@ -142,6 +142,34 @@ class SGLangSection(SGLangClientSection):
     """New weights by pause → flush_cache → update_weights_from_disk → continue (disk), by relaunching the servers (restart), or disk where the server has the endpoint (auto)."""  # noqa: E501
 
 
+class QuantizationSection(Section):
+    """Weight-only quantization of the rollout engine's matmul weights (attention, MLP, experts;
+    embeddings, LM head, norms and routers keep rollout.dtype). Re-quantized from the trainer's
+    weights at every refit, deterministically. The trainer keeps its own precision."""
+
+    kind: Literal["none", "fp8", "int8", "int4"] = "none"
+    """none; fp8 (e4m3); int8 (per output channel); int4 (grouped)."""
+    scales: Literal["channel", "block", "group"] | None = None
+    """Scale granularity: fp8 channel (per output column) or block (block_size² blocks, as DeepSeek/SGLang FP8 checkpoints); int8 channel; int4 group (block_size input rows). Unset: the first named."""  # noqa: E501
+    block_size: int = Field(128, gt=0)
+    """Side of an fp8 block, length of an int4 group; must divide the weights it tiles."""
+
+    @model_validator(mode="after")
+    def _scales_fit_the_kind(self) -> QuantizationSection:
+        from opd_jax.models.quant import SCALES
+        if self.kind != "none" and self.scales is not None and self.scales not in SCALES[self.kind]:
+            raise ValueError(f"{self.kind} quantization takes scales {' or '.join(SCALES[self.kind])}, "
+                             f"not {self.scales!r}")
+        return self
+
+    def scheme(self):
+        """The models.quant.QuantScheme, or None for kind none."""
+        from opd_jax.models.quant import SCALES, QuantScheme
+        if self.kind == "none":
+            return None
+        return QuantScheme(self.kind, self.scales or SCALES[self.kind][0], self.block_size)
+
+
 class RolloutSection(Section):
     """How samples are drawn. `dtype` is the engine's precision, which may differ from the
     trainer's so the train/inference mismatch is real."""
@@ -168,6 +196,10 @@ class RolloutSection(Section):
     """Sample from the k most likely tokens (0: off)."""
     dtype: DType = "float32"
     """The engine's precision (bfloat16 against a float32 trainer: a real mismatch)."""
+    quantization: QuantizationSection = QuantizationSection()
+    """Weight-only quantization of the engine (fp8, int8, int4)."""
+    kv_cache_dtype: Literal["bfloat16", "float8_e4m3fn"] | None = None
+    """The engine's KV cache precision; unset: rollout.dtype. float8_e4m3fn keeps one scale per token and head."""
     truncated: Literal["keep", "mask", "penalize"] = "keep"
     """A response cut at max_new_tokens: trained on as is, masked out of the loss, or given truncation_penalty as reward."""  # noqa: E501
     truncation_penalty: float = 0.0

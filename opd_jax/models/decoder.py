@@ -33,19 +33,24 @@ class KVCache:
     """Keys/values per layer and slot, which slots hold real tokens, and how many are filled.
 
     k, v: [layers, B, S, kv_heads, head_dim]; valid: [B, S] bool; length: int32 scalar, the number
-    of slots written so far (the same for every row: prompts are left-padded).
+    of slots written so far (the same for every row: prompts are left-padded). A float8 cache
+    keeps each (token, head) vector scaled into e4m3's range, its scale in k_scale / v_scale
+    [layers, B, S, kv_heads] (float32): k ≈ k_fp8 · k_scale (`_to_cache`, `_from_cache`).
     """
 
     k: jax.Array
     v: jax.Array
     valid: jax.Array
     length: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> KVCache:
         shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   valid=jnp.zeros((batch, slots), bool), length=jnp.zeros((), jnp.int32))
+        scales = (jnp.ones(shape[:-1], jnp.float32),) * 2 if _is_fp8(dtype) else (None, None)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), valid=jnp.zeros((batch, slots), bool),
+                   length=jnp.zeros((), jnp.int32), k_scale=scales[0], v_scale=scales[1])
 
     @property
     def slots(self) -> int:
@@ -162,11 +167,29 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> 
     return out.reshape(B, T, n, d)
 
 
+def _is_fp8(dtype: Any) -> bool:
+    return jnp.dtype(dtype) == jnp.float8_e4m3fn
+
+
+def _to_cache(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array | None]:
+    """x [..., head_dim] as the cache stores it: cast, or for float8 scaled per vector so its
+    largest entry lands on e4m3's largest value (448): (x / s, s) with s = max|x| / 448."""
+    if not _is_fp8(dtype):
+        return x.astype(dtype), None
+    scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1), 1e-12) / float(jnp.finfo(dtype).max)
+    return (x.astype(jnp.float32) / scale[..., None]).astype(dtype), scale
+
+
+def _from_cache(x: jax.Array, scale: jax.Array | None, dtype: Any) -> jax.Array:
+    return x.astype(dtype) if scale is None else (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
 def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
-                     inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
+                     inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple | None,
                      layer: jax.Array | None, write_at: jax.Array | None):
-    """x + attention(norm(x)). With a cache, k/v are written into the all-layer cache arrays in
-    place (at [layer, :, write_at]) and the layer's whole slot range is attended over."""
+    """x + attention(norm(x)). With a cache (k, v, k_scale, v_scale), k/v are written into the
+    all-layer cache arrays in place (at [layer, :, write_at]) and the layer's whole slot range is
+    attended over, as the cache holds it."""
     dt = x.dtype
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
     q = jnp.einsum("bth,hnd->btnd", h, w["q"])
@@ -180,12 +203,18 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if cache_kv is not None:
-        at = (layer, 0, write_at, 0, 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_kv[0], k[None].astype(cache_kv[0].dtype), at)
-        cache_v = jax.lax.dynamic_update_slice(cache_kv[1], v[None].astype(cache_kv[1].dtype), at)
-        k = jax.lax.dynamic_index_in_dim(cache_k, layer, keepdims=False).astype(dt)
-        v = jax.lax.dynamic_index_in_dim(cache_v, layer, keepdims=False).astype(dt)
-        cache_kv = (cache_k, cache_v)
+        stored = []
+        for new, cache, scales in zip((k, v), cache_kv[:2], cache_kv[2:]):
+            value, scale = _to_cache(new, cache.dtype)
+            cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
+            if scales is not None:
+                scales = jax.lax.dynamic_update_slice(scales, scale[None], (layer, 0, write_at, 0))
+            stored.append((cache, scales))
+        (cache_k, k_scale), (cache_v, v_scale) = stored
+        layer_scale = lambda sc: None if sc is None else jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)  # noqa: E731
+        k = _from_cache(jax.lax.dynamic_index_in_dim(cache_k, layer, keepdims=False), layer_scale(k_scale), dt)
+        v = _from_cache(jax.lax.dynamic_index_in_dim(cache_v, layer, keepdims=False), layer_scale(v_scale), dt)
+        cache_kv = (cache_k, cache_v, k_scale, v_scale)
     attn = _attention(q, k, v, allowed)
     out = jnp.einsum("btnd,ndh->bth", attn, w["o"])
     if config.o_bias:
@@ -279,7 +308,7 @@ class Backbone(nnx.Module):
             out, info = _moe_mlp(config, h, m, f, replay, mask)
             return (x + out, kv), info
 
-        kv = None if cache is None else (cache.k, cache.v)
+        kv = None if cache is None else (cache.k, cache.v, cache.k_scale, cache.v_scale)
         used = []
         for kind, start, stop, first in _segments(config):
             xs = ({k: v[start:stop] for k, v in attention.items()},
@@ -290,7 +319,8 @@ class Backbone(nnx.Module):
             if info is not None:
                 used.append(info)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
-        new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T)
+        new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T,
+                                                       k_scale=kv[2], v_scale=kv[3])
         if return_routing:
             info = None
             if used:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from opd_jax.core import token_logprobs
 from opd_jax.sampling.engine import Sampler
-from rollout_bridge.protocol import EngineError, WeightUpdate
+from rollout_bridge.protocol import TEMPERED_UNTRUNCATED, EngineError, WeightUpdate
 from rollout_bridge.records import Completion, Request, Rollout
 
 
@@ -45,6 +45,8 @@ def _score(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequenc
 
 
 class EmbeddedEngine:
+    logprob_convention = TEMPERED_UNTRUNCATED  # `sample_tokens`
+
     def __init__(self, sampler: Sampler, seed: int = 0):
         self.sampler = sampler
         self._base_key = jax.random.key(seed)

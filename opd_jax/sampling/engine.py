@@ -33,13 +33,14 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "kv_dtype"))
 def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, prompt_mask: jax.Array,
               row_keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-              stop_ids: jax.Array, row_max_new: jax.Array, pad_id: jax.Array, *, max_new: int):
+              stop_ids: jax.Array, row_max_new: jax.Array, pad_id: jax.Array, *, max_new: int,
+              kv_dtype: str | None = None):
     model: Decoder = nnx.merge(graphdef, state)
     B, P = prompt.shape
-    cache = KVCache.empty(model.config, B, P + max_new, model.backbone.compute_dtype)
+    cache = KVCache.empty(model.config, B, P + max_new, kv_dtype or model.backbone.compute_dtype)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
     logits, cache, prompt_routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask,
                                                  return_routing=True)
@@ -82,11 +83,14 @@ class Sampler:
     """Generate from a Decoder: token ids in, `Rollout` records (ids, logprobs, finish reason) out.
 
     max_cache_len bounds prompt + max_new_tokens (default: the model's max_position_embeddings).
-    `update_weights` swaps in new parameters of the same shapes without recompiling.
+    kv_cache_dtype: the KV cache's precision (default: the model's compute dtype; float8_e4m3fn
+    with a scale per token and head). `update_weights` swaps in new parameters of the same shapes
+    without recompiling.
     """
 
     def __init__(self, model: Decoder, *, max_cache_len: int | None = None, pad_id: int = 0,
-                 weight_version: int = 0):
+                 weight_version: int = 0, kv_cache_dtype: str | None = None):
+        self.kv_cache_dtype = kv_cache_dtype
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.max_cache_len = max_cache_len or model.config.max_position_embeddings
@@ -147,7 +151,7 @@ class Sampler:
             jnp.asarray([p.top_k for p in per_row], jnp.int32),
             jnp.asarray([p.top_p for p in per_row], jnp.float32), jnp.asarray(stop_ids),
             jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id),
-            max_new=max_new))
+            max_new=max_new, kv_dtype=self.kv_cache_dtype))
         metadata = metadata or [{} for _ in prompts]
 
         def routed(i: int) -> np.ndarray | None:

@@ -3,18 +3,20 @@ the engine's copy of the policy at the engine's precision, and prompt encoding."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from opd_jax.config import ModelSection, TrainConfig
+from opd_jax.config import ModelSection, RolloutSection, TrainConfig
 from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelFormatError, family_defaults
 from opd_jax.models.moe import MoEConfig
+from opd_jax.models.quant import QuantScheme, quantize_decoder
 from opd_jax.models.weights import build_from_params
 
 
@@ -63,18 +65,46 @@ def build_critic(policy: Decoder, config: TrainConfig) -> ValueModel:
                                   key=jax.random.key(config.seed + 1))
 
 
-def engine_model(config: Any, params: nnx.State, dtype: str, *, noise: float = 0.0, version: int = 0) -> Decoder:
+@dataclasses.dataclass(frozen=True)
+class EngineNumerics:
+    """How an embedded engine computes: parameter and activation dtype, weight quantization,
+    KV cache precision. Each may differ from the trainer's, and each is a mismatch source."""
+
+    dtype: str = "float32"
+    quantization: QuantScheme | None = None
+    kv_cache_dtype: str | None = None
+
+    @classmethod
+    def of(cls, rollout: RolloutSection) -> EngineNumerics:
+        return cls(rollout.dtype, rollout.quantization.scheme(), rollout.kv_cache_dtype)
+
+    def differences(self, trainer_dtype: str) -> dict[str, str]:
+        """{source: what the engine does} for every way it computes unlike a `trainer_dtype` trainer."""
+        out = {}
+        if self.dtype != trainer_dtype:
+            out["precision"] = self.dtype
+        if self.quantization is not None:
+            out["weights"] = str(self.quantization)
+        if self.kv_cache_dtype not in (None, self.dtype):
+            out["kv_cache"] = self.kv_cache_dtype
+        return out
+
+
+def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, noise: float = 0.0,
+                 version: int = 0) -> Decoder:
     """The policy as the rollout engine runs it: its parameters cast to the engine's dtype, which
-    may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real; `noise`
-    adds N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one."""
+    may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real, and its
+    matmul weights quantized as `numerics` says (from the cast weights); `noise` adds
+    N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one."""
     pure = nnx.to_pure_dict(params)
     if noise:
         leaves, tree = jax.tree.flatten(pure)
         keys = jax.random.split(jax.random.key(version), len(leaves))
         leaves = [w + noise * jnp.std(w) * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)]
         pure = jax.tree.unflatten(tree, leaves)
-    cast = jax.tree.map(lambda x: x.astype(dtype), pure)
-    return build_from_params(Decoder, config, cast, compute_dtype=dtype)
+    cast = jax.tree.map(lambda x: x.astype(numerics.dtype), pure)
+    model = build_from_params(Decoder, config, cast, compute_dtype=numerics.dtype)
+    return model if numerics.quantization is None else quantize_decoder(model, numerics.quantization)
 
 
 def encode_prompt(example: Example, tokenizer: Tokenizer, chat_template: bool) -> list[int]:

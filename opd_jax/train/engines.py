@@ -15,7 +15,7 @@ from opd_jax.config import RolloutSection
 from opd_jax.config.schema import SGLangClientSection
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, save_model
 from opd_jax.sampling import EmbeddedEngine, Sampler
-from opd_jax.train.build import engine_model
+from opd_jax.train.build import EngineNumerics, engine_model
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.servers import LaunchSpec, ServerGroup
@@ -27,7 +27,8 @@ def weight_update(rollout: RolloutSection, model_config: ModelConfig, params: nn
                   version: int) -> WeightUpdate:
     """Version `version` of the policy, in the engine's dtype, in memory or as an HF directory."""
     def model() -> Decoder:
-        return engine_model(model_config, params, rollout.dtype, noise=rollout.inject_weight_noise, version=version)
+        return engine_model(model_config, params, EngineNumerics.of(rollout), noise=rollout.inject_weight_noise,
+                            version=version)
 
     return WeightUpdate(version, model=model, save_hf=lambda directory: save_model(model(), directory, tokenizer))
 
@@ -59,7 +60,8 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
     """A started engine serving `update` (the policy the run starts from). `routing`: SGLang
     servers are asked for the experts of every token (the embedded engine always records them)."""
     if rollout.engine == "embedded":
-        sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version)
+        sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version,
+                          kv_cache_dtype=rollout.kv_cache_dtype)
         return EngineThread(EmbeddedEngine(sampler, seed=seed))
     section = rollout.sglang
     initial = None

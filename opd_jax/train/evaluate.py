@@ -15,7 +15,7 @@ from opd_jax.models import Decoder, Tokenizer
 from opd_jax.rewards import RewardError, RewardFn, load_reward_fn
 from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.train.batching import rollout_rewards
-from opd_jax.train.build import encode_prompt, engine_model, stop_ids
+from opd_jax.train.build import EngineNumerics, encode_prompt, engine_model, stop_ids
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.records import Failure, Request, SamplingParams
@@ -53,10 +53,10 @@ class HeldOutEvaluator:
 
     def __init__(self, tokenizer: Tokenizer, held_out: dict[str, Sequence[Example]],
                  encode: Callable[[Example], list[int]], *, max_new_tokens: int, stop_token_ids: tuple[int, ...],
-                 dtype: str = "float32", reward_fn: RewardFn | None = None):
+                 numerics: EngineNumerics = EngineNumerics(), reward_fn: RewardFn | None = None):
         self.tokenizer, self.held_out, self.encode = tokenizer, held_out, encode
-        self.max_new_tokens, self.stop_token_ids, self.dtype, self.reward_fn = (max_new_tokens, stop_token_ids, dtype,
-                                                                                reward_fn)
+        self.max_new_tokens, self.stop_token_ids, self.numerics, self.reward_fn = (max_new_tokens, stop_token_ids,
+                                                                                   numerics, reward_fn)
         longest = max((len(encode(e)) for v in held_out.values() for e in v), default=64)
         self.max_cache_len = longest + max_new_tokens + 16
         self._engines: dict[Any, EngineThread] = {}
@@ -64,12 +64,12 @@ class HeldOutEvaluator:
 
     def __call__(self, model: Decoder, domains: Iterable[str] | None = None) -> dict[str, float]:
         """{domain: accuracy} over `domains` (default: all of the held-out set)."""
-        served = engine_model(model.config, nnx.state(model, nnx.Param), self.dtype)
+        served = engine_model(model.config, nnx.state(model, nnx.Param), self.numerics)
         graphdef = nnx.graphdef(served)
         self._version += 1
         if graphdef not in self._engines:
             sampler = Sampler(served, max_cache_len=self.max_cache_len, pad_id=self.tokenizer.pad_token_id or 0,
-                              weight_version=self._version)
+                              weight_version=self._version, kv_cache_dtype=self.numerics.kv_cache_dtype)
             self._engines[graphdef] = EngineThread(EmbeddedEngine(sampler))
         else:
             self._engines[graphdef].update_weights(WeightUpdate(self._version, model=lambda: served))
@@ -92,4 +92,5 @@ def held_out_evaluator(tokenizer: Tokenizer, policy: Decoder, rollout: RolloutSe
     return HeldOutEvaluator(tokenizer, eval_prompts(data) if held_out is None else held_out,
                             functools.partial(encode_prompt, tokenizer=tokenizer, chat_template=data.chat_template),
                             max_new_tokens=rollout.max_new_tokens, stop_token_ids=stop_ids(tokenizer, policy),
-                            dtype=rollout.dtype, reward_fn=load_reward_fn(data.reward_fn) if data.reward_fn else None)
+                            numerics=EngineNumerics.of(rollout),
+                            reward_fn=load_reward_fn(data.reward_fn) if data.reward_fn else None)

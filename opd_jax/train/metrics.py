@@ -139,6 +139,10 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
     else:
         lines.append("held-out accuracy: none (no held-out prompts)")
     steps = [r for r in rows if "mismatch_abs_logp_diff" in r]
+    engine = _engine(run_dir)
+    if engine is not None:
+        differs = ", ".join(f"{k.replace('_', ' ')} ({v})" for k, v in engine["differs_in"].items()) or "nothing"
+        lines.append(f"engine: {engine['engine']}, log-probs {engine['logprobs']}; differs from the trainer in {differs}")
     if steps:
         mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
         line = (f"mismatch (mean over {len(steps)} steps): |Δlogp| {mean('mismatch_abs_logp_diff'):.4f}, "
@@ -151,6 +155,15 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
     files = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir() if not p.name.startswith("."))
     lines.append(f"run directory {run_dir}: {', '.join(files)}")
     return "\n".join(lines)
+
+
+def _engine(run_dir: Path) -> dict[str, Any] | None:
+    """The engine the run's latest attempt sampled with, as run.json records it."""
+    try:
+        attempts = json.loads((run_dir / "run.json").read_text()).get("attempts", [])
+    except (OSError, json.JSONDecodeError):
+        return None
+    return attempts[-1].get("engine") if attempts else None
 
 
 def _duration(seconds: float) -> str:

@@ -10,11 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from opd_jax.config import ConfigError, DataSection, ModelSection
+from opd_jax.config.schema import QuantizationSection
 from opd_jax.data import read_jsonl
 from opd_jax.data.sources import DataError
 from opd_jax.models import Tokenizer, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelConfig, ModelFormatError
+from opd_jax.models.quant import check_quantizable
 from opd_jax.parallel import MeshConfig, make_mesh
 from opd_jax.rewards import load_reward_fn
 from opd_jax.train.build import encode_prompt, fresh_model_config
@@ -27,12 +29,12 @@ def check_mesh(key: str, mesh: MeshConfig) -> None:
         raise type(e)(f"{key}: {e}") from None
 
 
-def check_model(key: str, section: ModelSection) -> tuple[Tokenizer | None, int | None]:
-    """The model section's tokenizer and context length, read without loading its weights (None
+def check_model(key: str, section: ModelSection) -> tuple[Tokenizer | None, ModelConfig | None]:
+    """The model section's tokenizer and architecture, read without loading its weights (None
     for a GGUF file, whose metadata is read with its weights when the model is built)."""
     if section.fresh is not None:
-        fresh_model_config(section.fresh)  # an inconsistent architecture (experts, heads, ...) named now
-        return char_tokenizer(), section.fresh.max_position_embeddings
+        # an inconsistent architecture (experts, heads, ...) named now
+        return char_tokenizer(), fresh_model_config(section.fresh)
     try:
         path = resolve_model_path(section.path)
     except ModelFormatError as e:
@@ -45,8 +47,7 @@ def check_model(key: str, section: ModelSection) -> tuple[Tokenizer | None, int 
         return None, None
     if not (path / "config.json").is_file():
         raise ModelFormatError(f"{key}.path: {path} holds no config.json (not a Hugging Face model directory)")
-    config = ModelConfig.from_json(path / "config.json")
-    return Tokenizer.from_dir(path), config.max_position_embeddings
+    return Tokenizer.from_dir(path), ModelConfig.from_json(path / "config.json")
 
 
 def check_reward_fn(key: str, path: str | None) -> None:
@@ -84,12 +85,26 @@ def _line(uid: str) -> str:
     return uid.rpartition(":")[2]
 
 
+def check_quantization(key: str, quantization: QuantizationSection, config: ModelConfig | None) -> None:
+    """The engine's weight quantization fits the policy's weights (its block size divides them)."""
+    scheme = quantization.scheme()
+    if scheme is None or config is None:
+        return
+    try:
+        check_quantizable(config, scheme)
+    except ModelFormatError as e:
+        raise ConfigError(f"{key}.block_size: {e}") from None
+
+
 def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,
-                     max_new_tokens: int) -> None:
+                     max_new_tokens: int, quantization: QuantizationSection | None = None) -> None:
     """All of a run's inputs; `models` maps each model's config key to its section, the first
-    being the one that reads the prompts of `data` (the config's `data` section)."""
+    being the one that reads the prompts of `data` (the config's `data` section) and that the
+    rollout engine serves (quantized as `quantization` says)."""
     check_mesh("mesh", mesh)
     described = [check_model(key, section) for key, section in models.items()]
     check_reward_fn("data.reward_fn", data.reward_fn)
-    tokenizer, context = described[0] if described else (None, None)
-    check_data(data, tokenizer, context, max_new_tokens)
+    tokenizer, config = described[0] if described else (None, None)
+    check_data(data, tokenizer, None if config is None else config.max_position_embeddings, max_new_tokens)
+    if quantization is not None:
+        check_quantization("rollout.quantization", quantization, config)

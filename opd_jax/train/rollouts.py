@@ -16,18 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from opd_jax.config import DataSection, RolloutSection
+from opd_jax.config import DataSection, RolloutSection, scoring_temperature
 from opd_jax.core import RolloutBatch, validate_batch
 from opd_jax.data import Example, eval_prompts, take, train_prompts
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.rewards import RewardError, load_reward_fn
 from opd_jax.train.batching import drop_bad_rewards, rollout_rewards, rollouts_to_batch
-from opd_jax.train.build import encode_prompt, stop_ids
+from opd_jax.train.build import EngineNumerics, encode_prompt, stop_ids
 from opd_jax.train.engines import make_engine, routing_layout, weight_update
 from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import evaluate
 from rollout_bridge.pipe import PipeError, RolloutPipe
-from rollout_bridge.protocol import EngineError
+from rollout_bridge.protocol import TEMPERED_UNTRUNCATED, EngineError
 from rollout_bridge.records import Request, Rollout, SamplingParams
 
 
@@ -61,8 +61,27 @@ class RolloutSession:
                                       routing=routing_layout(policy.config) if record_routing else None)
         except EngineError as e:
             raise RunError(f"the rollout engine did not start: {e}") from None
+        temperature = scoring_temperature(rollout)
+        if self.engine.logprob_convention != TEMPERED_UNTRUNCATED and temperature != 1.0:
+            self.engine.close()
+            raise RunError(f"the rollout engine reports log-probs {self.engine.logprob_convention} "
+                           f"(SGLANG_RETURN_ORIGINAL_LOGPROB is set for its servers), but the trainer scores "
+                           f"log_softmax(logits / {temperature}): unset it, or sample at rollout.temperature 1")
         self.pipe = RolloutPipe(self.engine, self._next_group, max_staleness=rollout.max_staleness,
                                 keep_stale=rollout.keep_stale)
+
+    def mismatch_sources(self, trainer_dtype: str, *, replays_routing: bool) -> dict[str, Any]:
+        """What the engine is and how it computes unlike the trainer: {"engine", "logprobs",
+        "differs_in": {precision, weights, kv_cache, routing: what the engine does}}; routing is
+        listed for a MoE policy whose engine routes on its own (no replay)."""
+        differs = EngineNumerics.of(self.rollout).differences(trainer_dtype)
+        if self.rollout.inject_weight_noise:
+            differs["weight_noise"] = f"{self.rollout.inject_weight_noise:g} std"
+        if self.rollout.engine == "sglang":
+            differs["implementation"] = "sglang"
+        if self.policy_config.moe is not None and not replays_routing:
+            differs["routing"] = "the engine's own"
+        return {"engine": self.rollout.engine, "logprobs": self.engine.logprob_convention, "differs_in": differs}
 
     def _update(self, params: nnx.State, version: int):
         return weight_update(self.rollout, self.policy_config, params, self.tokenizer, version)

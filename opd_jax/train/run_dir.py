@@ -163,6 +163,13 @@ class RunDirectory:
         self._write_manifest()
         return kept
 
+    def note(self, **fields: Any) -> None:
+        """Record facts about this attempt (the engine it samples with, ...) in run.json."""
+        if self._lock is None:
+            return
+        self.manifest["attempts"][-1].update(fields)
+        self._write_manifest()
+
     def previous_config(self) -> str | None:
         path = self.path / "config.yaml"
         return path.read_text() if path.exists() else None

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.config import ConfigError, DataSection, config_changes, dump_config, fixed_on_resume
@@ -176,6 +177,8 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
         session = RolloutSession(rollout=config.rollout, data=task.data, seed=config.seed, policy=task.policy,
                                  params=task.policy_params(state), tokenizer=task.tokenizer, run_dir=run_dir,
                                  version=start, resume=meta, record_routing=task.replays_routing)
+        directory.note(engine=session.mismatch_sources(str(jnp.dtype(task.policy.backbone.compute_dtype)),
+                                                       replays_routing=task.replays_routing))
         log = MetricsLog(run_dir, config.steps, start, tensorboard=config.logging.tensorboard,
                          progress_bar=config.logging.progress_bar, description=task.command)
         try:
