@@ -111,3 +111,24 @@ def test_a_block_size_that_does_not_divide_a_weight_is_named():
         quantize_weight(jnp.zeros((2, 64, 4, 16)), "q", QuantScheme("fp8", "block", 48))
     with pytest.raises(ValueError, match="int8 quantization takes scales channel, not 'block'"):
         QuantScheme("int8", "block")
+
+
+def test_engine_settings_are_checked_before_anything_runs():
+    from pathlib import Path
+
+    from opd_jax.config import ConfigError, load_config
+    from opd_jax.train.loop import PPOTask
+
+    quickstart = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+    blocks = load_config(quickstart, ["rollout.quantization.kind=fp8", "rollout.quantization.scales=block"])
+    with pytest.raises(ConfigError, match=r"rollout.quantization.block_size: quantization block size 128 does not "
+                                          r"divide the output width 64 of weight layers.k \(shape \(3, 128, 2, 32\)\)"):
+        PPOTask(blocks).check_inputs()
+    running = load_config(quickstart, ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]",
+                                       "rollout.kv_cache_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="servers at rollout.sglang.urls run as they were started"):
+        PPOTask(running).check_inputs()
+    with pytest.raises(ConfigError, match="rollout.kv_cache_dtype: Input should be 'bfloat16' or 'float8_e4m3fn'"):
+        load_config(quickstart, ["rollout.kv_cache_dtype=int8"])
+    with pytest.raises(ConfigError, match="int8 quantization takes scales channel, not 'group'"):
+        load_config(quickstart, ["rollout.quantization.kind=int8", "rollout.quantization.scales=group"])

@@ -69,7 +69,7 @@ class OPDTask:
         if self.config.teachers.engine == "local":
             models.update({f"teachers.paths.{t.name}": ModelSection(path=str(t.path)) for t in self.plan.teachers})
         check_run_inputs(mesh=self.config.mesh, models=models, data=self.data,
-                         max_new_tokens=self.config.rollout.max_new_tokens, quantization=self.config.rollout.quantization)
+                         max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.plan.student)

@@ -5,13 +5,14 @@ merge's teachers alike. Also the weight update the loop hands to whichever engin
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from flax import nnx
 
-from opd_jax.config import RolloutSection
+from opd_jax.config import ConfigError, RolloutSection
 from opd_jax.config.schema import SGLangClientSection
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, save_model
 from opd_jax.sampling import EmbeddedEngine, Sampler
@@ -33,15 +34,63 @@ def weight_update(rollout: RolloutSection, model_config: ModelConfig, params: nn
     return WeightUpdate(version, model=model, save_hf=lambda directory: save_model(model(), directory, tokenizer))
 
 
+# sglang-jax's online weight-only quantization configs (--quantization-config-path, built in from
+# 0.1): per-channel fp8 and int8, 128 x 128 fp8 blocks. It has no int4 for an unquantized
+# checkpoint, and its KV cache is the model's dtype or bf16 only (its --kv-cache-dtype lists fp8
+# choices that its model runner refuses).
+_SGLANG_QUANTIZATION = {("fp8", "channel", None): "fp8.yaml", ("fp8", "block", 128): "fp8_block_128_dynamic.yaml",
+                        ("int8", "channel", None): "int8.yaml"}
+_SGLANG_KV_CACHE = {"bfloat16": "bf16"}
+
+
+def sglang_server_flags(rollout: RolloutSection) -> tuple[str, ...]:
+    """What the engine settings add to the launch command of SGLang servers; a setting sglang-jax
+    cannot serve is a ConfigError naming the key."""
+    flags: list[str] = []
+    scheme = rollout.quantization.scheme()
+    if scheme is not None:
+        key = (scheme.kind, scheme.scales, scheme.block if scheme.scales != "channel" else None)
+        if key not in _SGLANG_QUANTIZATION:
+            served = ", ".join(f"{k} {s}" + (f" {b}" if b else "") for k, s, b in _SGLANG_QUANTIZATION)
+            raise ConfigError(f"rollout.quantization: sglang-jax servers cannot quantize weights as {scheme} "
+                              f"(they serve: {served})")
+        flags += ["--quantization-config-path", _SGLANG_QUANTIZATION[key]]
+    if rollout.kv_cache_dtype is not None:
+        if rollout.kv_cache_dtype not in _SGLANG_KV_CACHE:
+            raise ConfigError(f"rollout.kv_cache_dtype: sglang-jax servers keep their KV cache in the model's dtype "
+                              f"or bfloat16 only, not {rollout.kv_cache_dtype}")
+        flags += ["--kv-cache-dtype", _SGLANG_KV_CACHE[rollout.kv_cache_dtype]]
+    return tuple(flags)
+
+
+def check_server_flags(command: Sequence[str], flags: Sequence[str]) -> None:
+    """The launch command's server takes each flag of `flags` (its --help lists it): one line
+    naming the flag before anything is launched."""
+    wanted = [f for f in flags if f.startswith("--")]
+    if not wanted:
+        return
+    probe = [part.format(model_path="/nonexistent", host="127.0.0.1", port="0") for part in command] + ["--help"]
+    try:
+        shown = subprocess.run(probe, capture_output=True, text=True, timeout=180).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"rollout.sglang.launch.command: could not ask the server for its options ({e})") from None
+    missing = [f for f in wanted if f not in shown]
+    if missing:
+        raise ConfigError(f"rollout.sglang.launch.command: this server has no {', '.join(missing)} option (the "
+                          f"engine settings rollout.quantization / rollout.kv_cache_dtype need it); sglang-jax serves "
+                          f"weight quantization from release 0.1 on")
+
+
 def sglang_engine(section: SGLangClientSection, urls: Sequence[str], *, model_dir: Path | None, log_dir: Path,
-                  **options: Any) -> EngineThread:
+                  server_flags: Sequence[str] = (), **options: Any) -> EngineThread:
     """An SGLang client (not started: call `.start()`) of the servers at `urls`, or of servers it
-    launches on `model_dir` as `section.launch` says (logs in `log_dir`); `options` are the
-    engine's own (stream, refit, ...)."""
+    launches on `model_dir` as `section.launch` says (logs in `log_dir`), their command extended
+    by `server_flags`; `options` are the engine's own (stream, refit, ...)."""
     servers = None
     if section.launch is not None:
         launch = section.launch
-        servers = ServerGroup(LaunchSpec(tuple(launch.command), launch.num_servers, launch.host, tuple(launch.ports),
+        servers = ServerGroup(LaunchSpec((*launch.command, *server_flags), launch.num_servers, launch.host,
+                                         tuple(launch.ports),
                                          tuple(launch.env.items()), launch.startup_timeout_s, log_dir), model_dir)
     return EngineThread(SGLangEngine(urls, servers=servers, request_timeout_s=section.request_timeout_s,
                                      max_retries=section.max_retries, max_concurrency=section.max_concurrency,
@@ -68,7 +117,11 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
     if section.launch is not None:
         initial = (refit_dir / f"v{update.version}").resolve()
         update.save_hf(initial)
+    flags = sglang_server_flags(rollout)
+    if section.launch is not None:
+        check_server_flags(section.launch.command, flags)
     thread = sglang_engine(section, section.urls, model_dir=initial, log_dir=refit_dir.parent / "sglang_logs",
+                           server_flags=flags,
                            stream=section.stream, refit=section.refit, refit_dir=refit_dir,
                            interrupted=rollout.interrupted, weight_version=update.version,
                            routing=routing)

@@ -53,7 +53,7 @@ class PPOTask:
 
     def check_inputs(self) -> None:
         check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
-                         max_new_tokens=self.config.rollout.max_new_tokens, quantization=self.config.rollout.quantization)
+                         max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.config.model)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from opd_jax.config import ConfigError, DataSection, ModelSection
-from opd_jax.config.schema import QuantizationSection
+from opd_jax.config.schema import RolloutSection
 from opd_jax.data import read_jsonl
 from opd_jax.data.sources import DataError
 from opd_jax.models import Tokenizer, resolve_model_path
@@ -20,6 +20,7 @@ from opd_jax.models.quant import check_quantizable
 from opd_jax.parallel import MeshConfig, make_mesh
 from opd_jax.rewards import load_reward_fn
 from opd_jax.train.build import encode_prompt, fresh_model_config
+from opd_jax.train.engines import sglang_server_flags
 
 
 def check_mesh(key: str, mesh: MeshConfig) -> None:
@@ -85,26 +86,31 @@ def _line(uid: str) -> str:
     return uid.rpartition(":")[2]
 
 
-def check_quantization(key: str, quantization: QuantizationSection, config: ModelConfig | None) -> None:
-    """The engine's weight quantization fits the policy's weights (its block size divides them)."""
-    scheme = quantization.scheme()
-    if scheme is None or config is None:
-        return
-    try:
-        check_quantizable(config, scheme)
-    except ModelFormatError as e:
-        raise ConfigError(f"{key}.block_size: {e}") from None
+def check_engine(key: str, rollout: RolloutSection, config: ModelConfig | None) -> None:
+    """The engine's numerics can be served: the weight quantization fits the policy's weights
+    (its block size divides them), and SGLang servers the bridge launches can run them."""
+    scheme = rollout.quantization.scheme()
+    if scheme is not None and config is not None:
+        try:
+            check_quantizable(config, scheme)
+        except ModelFormatError as e:
+            raise ConfigError(f"{key}.quantization.block_size: {e}") from None
+    if rollout.engine == "sglang":
+        if rollout.sglang.launch is None and (scheme is not None or rollout.kv_cache_dtype is not None):
+            raise ConfigError(f"{key}.quantization / {key}.kv_cache_dtype: servers at {key}.sglang.urls run as they "
+                              f"were started; set these for servers the bridge launches ({key}.sglang.launch)")
+        sglang_server_flags(rollout)
 
 
 def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,
-                     max_new_tokens: int, quantization: QuantizationSection | None = None) -> None:
+                     max_new_tokens: int, rollout: RolloutSection | None = None) -> None:
     """All of a run's inputs; `models` maps each model's config key to its section, the first
     being the one that reads the prompts of `data` (the config's `data` section) and that the
-    rollout engine serves (quantized as `quantization` says)."""
+    `rollout` engine serves."""
     check_mesh("mesh", mesh)
     described = [check_model(key, section) for key, section in models.items()]
     check_reward_fn("data.reward_fn", data.reward_fn)
     tokenizer, config = described[0] if described else (None, None)
     check_data(data, tokenizer, None if config is None else config.max_position_embeddings, max_new_tokens)
-    if quantization is not None:
-        check_quantization("rollout.quantization", quantization, config)
+    if rollout is not None:
+        check_engine("rollout", rollout, config)
