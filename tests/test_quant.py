@@ -5,6 +5,7 @@ anything trains."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -132,3 +133,36 @@ def test_engine_settings_are_checked_before_anything_runs():
         load_config(quickstart, ["rollout.kv_cache_dtype=int8"])
     with pytest.raises(ConfigError, match="int8 quantization takes scales channel, not 'group'"):
         load_config(quickstart, ["rollout.quantization.kind=int8", "rollout.quantization.scales=group"])
+
+
+def test_an_fp8_engine_differs_from_the_trainer_more_than_a_bf16_engine():
+    """The same prompts sampled by a bf16 engine and by a bf16 engine with FP8 weights, each
+    rollout scored by the f32 trainer: per-sequence mean |Δlogp| is larger under FP8, by a one-
+    sided Mann-Whitney U test at p < 0.01 (48 sequences each)."""
+    from scipy import stats
+
+    from opd_jax.core import policy_logprobs
+    from opd_jax.sampling import Sampler
+    from opd_jax.train.batching import rollouts_to_batch
+    from opd_jax.train.build import EngineNumerics, engine_model
+    from rollout_bridge.records import SamplingParams
+
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    model_state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, model_state))  # peaked distributions
+    graphdef, state = nnx.split(model)
+    prompts = [list(p) for p in np.random.default_rng(0).integers(0, 64, (48, 6))]
+
+    def per_sequence_dlogp(numerics: EngineNumerics) -> np.ndarray:
+        engine = engine_model(CONFIG, nnx.state(model, nnx.Param), numerics)
+        rollouts = Sampler(engine, max_cache_len=32).generate(prompts, SamplingParams(max_new_tokens=12),
+                                                              jax.random.key(0))
+        batch = rollouts_to_batch(rollouts, np.zeros(len(rollouts)), pad_id=0)
+        trainer = np.asarray(policy_logprobs(graphdef, state, batch))
+        mask = np.asarray(batch.response_mask)
+        return (np.abs(trainer - np.asarray(batch.logp_infer)) * mask).sum(1) / mask.sum(1)
+
+    bf16 = per_sequence_dlogp(EngineNumerics("bfloat16"))
+    fp8 = per_sequence_dlogp(EngineNumerics("bfloat16", QuantScheme("fp8", "channel")))
+    result = stats.mannwhitneyu(fp8, bf16, alternative="greater")
+    assert result.pvalue < 0.01, (fp8.mean(), bf16.mean(), result)
