@@ -156,10 +156,7 @@ class QuantizationSection(Section):
 
     @model_validator(mode="after")
     def _scales_fit_the_kind(self) -> QuantizationSection:
-        from opd_jax.models.quant import SCALES
-        if self.kind != "none" and self.scales is not None and self.scales not in SCALES[self.kind]:
-            raise ValueError(f"{self.kind} quantization takes scales {' or '.join(SCALES[self.kind])}, "
-                             f"not {self.scales!r}")
+        self.scheme()  # QuantScheme names a kind / scales mismatch
         return self
 
     def scheme(self):
