@@ -236,29 +236,44 @@ class AlgorithmSection(Section):
 
 
 class SourceSpec(Section):
-    """One prompt source: a built-in procedural domain (with its `params`, e.g. {digits: 3}) or a
-    JSONL file of {prompt or messages, answer, domain}."""
+    """One prompt source: a built-in procedural domain (with its `params`, e.g. {digits: 3}), a
+    JSONL file of {prompt or messages, answer, domain}, or a multi-turn environment (episodes)."""
 
     builtin: str | None = None
     """A built-in domain: addition, multiplication, reverse, sort, count, parity, max, copy_edit, chain, long_count, word_problems."""  # noqa: E501
-    params: dict[str, int | float | str] = {}
-    """The built-in domain's parameters, e.g. {digits: 3}."""
+    params: dict[str, int | float | str | bool] = {}
+    """The built-in domain's or the environment's parameters, e.g. {digits: 3}."""
     jsonl: str | None = None
     """A JSONL file of {prompt or messages, answer, domain} records."""
     eval_jsonl: str | None = None
     """Held-out prompts of a JSONL source (built-in domains draw their own)."""
+    environment: str | None = None
+    """A multi-turn environment: calculator, gridworld, search, or 'module:factory' (opd_jax.envs); held-out episodes come from its eval split."""  # noqa: E501
+    domain: str | None = None
+    """The environment's domain (metrics, OPD teacher routing); default: its name."""
     weight: float = Field(1.0, gt=0)
     """Its share of the training mix."""
 
     @model_validator(mode="after")
     def _one_kind(self):
-        if (self.builtin is None) == (self.jsonl is None):
-            raise ValueError("a data source sets exactly one of builtin and jsonl")
+        if sum(x is not None for x in (self.builtin, self.jsonl, self.environment)) != 1:
+            raise ValueError("a data source sets exactly one of builtin, jsonl and environment")
         if self.builtin is not None:
             get_domain(self.builtin).sampler(**self.params)  # unknown domain or parameter: named here
+        elif self.environment is not None:
+            from opd_jax.envs.protocol import check_environment  # config is read before envs is needed
+
+            check_environment(self.environment, self.params)
         elif self.params:
-            raise ValueError("params apply to built-in domains only")
+            raise ValueError("params apply to built-in domains and environments only")
+        if self.domain is not None and self.environment is None:
+            raise ValueError("domain names an environment's episodes; prompt sources carry their own")
         return self
+
+    @property
+    def domain_name(self) -> str:
+        """An environment source's domain."""
+        return self.domain or self.environment.rpartition(":")[2]
 
 
 class DataSection(Section):

@@ -8,16 +8,18 @@ import jax.numpy as jnp
 
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
-        lam: float | jax.Array = 0.95) -> tuple[jax.Array, jax.Array]:
+        lam: float | jax.Array = 0.95, final_values: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Generalized Advantage Estimation (Schulman et al. 2016), token level, over masked tokens.
 
         δ_t = r_t + γ·V_next(t) − V_t,    A_t = δ_t + γλ·A_next(t),    returns_t = A_t + V_t
 
-    where next(t) is the next token with mask 1 (masked tokens are skipped, so a masked hole in a
-    multi-turn response does not end the episode) and V = A = 0 after the last one. rewards,
-    values, mask: [B, T]; lam: a scalar or one λ per row [B] (see `length_adaptive_lambda`);
-    outputs are zero where mask is 0. One reverse `lax.scan` over T (2–4× faster than an
-    associative scan on CPU, see BENCHMARKS.md).
+    where next(t) is the next token with mask 1 (masked tokens are skipped: the observation
+    tokens of a multi-turn episode are holes, and V_next of a turn's last token is the value at
+    the next turn's first) and, after the last one, V = final_values (the critic's value of where
+    a truncated episode stopped: bootstrapping; default 0, an episode that ended) and A = 0.
+    rewards, values, mask: [B, T]; lam: a scalar or one λ per row [B] (see
+    `length_adaptive_lambda`); final_values: [B]. Outputs are zero where mask is 0. One reverse
+    `lax.scan` over T (2–4× faster than an associative scan on CPU, see BENCHMARKS.md).
     """
     chex.assert_rank([rewards, values, mask], 2)
     chex.assert_equal_shape([rewards, values, mask],
@@ -34,7 +36,8 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1
         return carry, jnp.where(m_t > 0, adv, 0.0)
 
     zeros = jnp.zeros(rewards.shape[0], jnp.float32)
-    _, adv = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+    final = zeros if final_values is None else jnp.broadcast_to(final_values.astype(jnp.float32), zeros.shape)
+    _, adv = jax.lax.scan(step, (final, zeros), (r.T, v.T, m.T), reverse=True)
     adv = adv.T
     return adv, jnp.where(m > 0, adv + v, 0.0)
 

@@ -30,7 +30,11 @@ class RolloutBatch:
     Filled by `score_batch` before the step: logp_old (θ_old log-probs) and old_values (critic
     values V(prefix before t)), both [B, T]. logp_ref: [B, T] log-probs under a frozen reference,
     only needed when a KL term is on. routing: int32 [B, T, MoE layers, k], the experts a MoE
-    engine used for each token (-1 where it recorded none), for routing replay."""
+    engine used for each token (-1 where it recorded none), for routing replay.
+    Multi-turn episodes: token_rewards [B, T], each turn's reward on its last model token (without
+    it, the outcome reward sits on the last response token); bootstrap [B], 1 for an episode cut
+    short (the critic's value of its final state, end_values [B] from `score_batch`, continues
+    the return) and 0 for one that ended."""
 
     tokens: jax.Array
     attention_mask: jax.Array
@@ -41,6 +45,9 @@ class RolloutBatch:
     old_values: jax.Array | None = None
     logp_ref: jax.Array | None = None
     routing: jax.Array | None = None
+    token_rewards: jax.Array | None = None
+    bootstrap: jax.Array | None = None
+    end_values: jax.Array | None = None
 
     @property
     def positions(self) -> jax.Array:
@@ -48,7 +55,8 @@ class RolloutBatch:
         return jnp.maximum(jnp.cumsum(self.attention_mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-_TOKEN_FIELDS = ("attention_mask", "response_mask", "logp_infer", "logp_old", "old_values", "logp_ref")
+_TOKEN_FIELDS = ("attention_mask", "response_mask", "logp_infer", "logp_old", "old_values", "logp_ref", "token_rewards")
+_ROW_FIELDS = ("rewards", "bootstrap", "end_values")
 _FLOAT_FIELDS = ("logp_infer", "logp_old", "old_values", "logp_ref")
 
 
@@ -64,7 +72,7 @@ def validate_batch(batch: RolloutBatch, *, vocab_size: int | None = None, need_o
     NaN/inf (or a positive log-probability) where it would be trained on. Host-side NumPy: call it
     on each process's local rows before they are sharded."""
     host: dict[str, Any] = {f: None if getattr(batch, f) is None else np.asarray(getattr(batch, f))
-                            for f in ("tokens", "rewards", *_TOKEN_FIELDS)}
+                            for f in ("tokens", *_ROW_FIELDS, *_TOKEN_FIELDS)}
     tokens = host["tokens"]
     if tokens.ndim != 2:
         raise BatchError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -73,8 +81,9 @@ def validate_batch(batch: RolloutBatch, *, vocab_size: int | None = None, need_o
     for name in _TOKEN_FIELDS:
         if host[name] is not None and host[name].shape != tokens.shape:
             raise BatchError(f"{name} has shape {host[name].shape} but tokens have {tokens.shape}")
-    if host["rewards"].shape != tokens.shape[:1]:
-        raise BatchError(f"rewards must be one per sample, shape {tokens.shape[:1]}, got {host['rewards'].shape}")
+    for name in _ROW_FIELDS:
+        if host[name] is not None and host[name].shape != tokens.shape[:1]:
+            raise BatchError(f"{name} must be one per sample, shape {tokens.shape[:1]}, got {host[name].shape}")
     if need_old and (host["logp_old"] is None or host["old_values"] is None):
         raise BatchError("logp_old and old_values are missing: run score_batch on the batch first")
     resp = host["response_mask"].astype(bool)
@@ -87,6 +96,8 @@ def validate_batch(batch: RolloutBatch, *, vocab_size: int | None = None, need_o
             raise BatchError(f"token ids outside the vocabulary [0, {vocab_size}) at {_rows(np.any(out, 1))}")
     if not np.all(np.isfinite(host["rewards"])):
         raise BatchError(f"rewards are NaN or inf at {_rows(~np.isfinite(host['rewards']))}")
+    if host["token_rewards"] is not None and not np.all(np.isfinite(host["token_rewards"])):
+        raise BatchError(f"token_rewards are NaN or inf at {_rows(~np.all(np.isfinite(host['token_rewards']), 1))}")
     for name in _FLOAT_FIELDS:
         values = host[name]
         if values is None:

@@ -50,9 +50,20 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
 def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                     unroll: int | bool = 1) -> jax.Array:
     """V(tokens[:t]) at each position t: the critic's output on the prefix before token t."""
-    values = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                         attention_mask=batch.attention_mask, unroll=unroll)
-    return shift_right(values)
+    return shift_right(_values(graphdef, params, batch, unroll))
+
+
+def _values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool = 1) -> jax.Array:
+    return nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask,
+                                       unroll=unroll)
+
+
+def values_and_final(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch) -> tuple[jax.Array, jax.Array]:
+    """`sequence_values` [B, T] and the value of each whole row, V(tokens[:n]) with n the row's
+    real tokens [B]: where a truncated episode stopped, for bootstrapping."""
+    values = _values(graphdef, params, batch)
+    last = jnp.maximum(jnp.sum(batch.attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    return shift_right(values), jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
 
 
 def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,

@@ -3,8 +3,10 @@
     score_batch(state, batch)  -> batch with θ_old log-probs and critic values      (one pass)
     ppo_step(state, batch)     -> (state, metrics)
 
-ppo_step: token rewards (outcome on the last response token, optionally minus a KL penalty),
-GAE advantages with λ_policy and critic returns with λ_critic from the θ_old values, mismatch
+ppo_step: token rewards (outcome on the last response token, or a multi-turn episode's per-turn
+rewards on each turn's last model token; optionally minus a KL penalty), GAE advantages with
+λ_policy and critic returns with λ_critic from the θ_old values (observation tokens are holes; a
+truncated episode bootstraps from the critic's value where it stopped), mismatch
 weights (IcePop by default) from θ_old vs engine log-probs, then `epochs` passes over
 `minibatches` mini-batches, each one optimizer update of the policy (clipped surrogate) and of
 the critic (clipped value loss), with gradients summed over `microbatches` micro-batches so the
@@ -32,7 +34,7 @@ from flax import nnx
 
 from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.forward import sequence_logprobs, sequence_values
+from opd_jax.core.forward import sequence_logprobs, sequence_values, values_and_final
 from opd_jax.core.losses import (
     KLKind,
     SurrogateConfig,
@@ -175,17 +177,20 @@ class PPOState:
 
 def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
                 temperature: float = 1.0, routing_replay: bool = False) -> RolloutBatch:
-    """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature) and
-    old_values (state.critic) filled in, computed in `microbatches` slices. Zero off the mask.
-    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3)."""
+    """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature),
+    old_values (state.critic) and end_values (the critic's value of each whole row, which a
+    truncated episode bootstraps from) filled in, computed in `microbatches` slices. Per-token
+    ones are zero off the mask. routing_replay: a MoE policy scores with the engine's routing
+    (batch.routing; R3)."""
     def score(b: RolloutBatch):
         logp, _ = sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature,
                                     replay=routing_replay)
-        return logp, sequence_values(state.critic_def, state.critic, b)
+        return logp, *values_and_final(state.critic_def, state.critic, b)
 
-    logp_old, old_values = map_rows(score, batch, microbatches)
+    logp_old, old_values, end_values = map_rows(score, batch, microbatches)
     on = batch.response_mask > 0
-    return batch.replace(logp_old=jnp.where(on, logp_old, 0.0), old_values=jnp.where(on, old_values, 0.0))
+    return batch.replace(logp_old=jnp.where(on, logp_old, 0.0), old_values=jnp.where(on, old_values, 0.0),
+                         end_values=end_values)
 
 
 # --- the step -------------------------------------------------------------------------------
@@ -255,7 +260,11 @@ def _critic_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
 
 def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_PPOTargets, dict[str, jax.Array]]:
     m = batch.response_mask.astype(jnp.float32)
-    token_rewards = outcome_rewards(batch.rewards, m)
+    token_rewards = outcome_rewards(batch.rewards, m) if batch.token_rewards is None else \
+        jnp.where(m > 0, batch.token_rewards, 0.0)
+    final = None
+    if batch.bootstrap is not None and batch.end_values is not None:
+        final = jnp.where(batch.bootstrap > 0, batch.end_values, 0.0)
     stats = {}
     if config.kl.enabled and config.kl.where == "reward":
         kl = jnp.where(m > 0, kl_estimate(batch.logp_old, batch.logp_ref, config.kl.kind), 0.0)
@@ -267,8 +276,8 @@ def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_
         group = group_advantages(batch.rewards, group_size, normalize_std=config.grpo_normalize_std)
         advantages = jnp.where(m > 0, group[:, None], 0.0)
     else:
-        advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy)
-    _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic)
+        advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy, final)
+    _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic, final)
     if config.whiten_advantages:
         advantages = whiten(advantages, m)
     correction = config.surrogate.mismatch

@@ -18,15 +18,28 @@ Sampler = Callable[[np.random.Generator], tuple[str, str]]
 
 
 @dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode of an environment (opd_jax.envs): built-in name or 'module:factory', its
+    parameters, and the seed and split it is created with."""
+
+    environment: str
+    params: dict[str, Any]
+    seed: int
+    split: str = "train"
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
     """One prompt: text (or chat messages), the reference answer, and its domain (OPD routes
-    each prompt to its domain's teacher)."""
+    each prompt to its domain's teacher); or one episode of an environment (`episode`), whose
+    prompt is the environment's first observation and whose reward the environment gives."""
 
     prompt: str | None
     answer: str
     domain: str
     messages: tuple[dict[str, str], ...] | None = None
     uid: str = ""
+    episode: EpisodeSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The prompt stream of a run as a grain pipeline: sources mixed by weight, shuffled, split
+"""The prompt stream of a run as a grain pipeline: sources (prompts or environment episodes) mixed by weight, shuffled, split
 across hosts (process p of n takes every n-th prompt, so hosts never share one), iterated with a
 state that checkpoints and restores exactly; plus the fixed held-out set per domain."""
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import grain
 
 from opd_jax.data.domains import Example
-from opd_jax.data.sources import ProceduralSource, read_jsonl
+from opd_jax.data.sources import EnvironmentSource, ProceduralSource, read_jsonl
 
 if TYPE_CHECKING:  # the config schema validates domains through opd_jax.data, so no import cycle here
     from opd_jax.config import DataSection, SourceSpec
@@ -20,7 +20,13 @@ if TYPE_CHECKING:  # the config schema validates domains through opd_jax.data, s
 def _source(spec: SourceSpec, seed: int, split: str) -> grain.MapDataset:
     if spec.builtin is not None:
         return grain.MapDataset.source(ProceduralSource(spec.builtin, seed=seed, split=split, params=spec.params))
+    if spec.environment is not None:
+        return grain.MapDataset.source(_episodes(spec, seed, split))
     return grain.MapDataset.source(read_jsonl(spec.jsonl)).shuffle(seed=seed)
+
+
+def _episodes(spec: SourceSpec, seed: int, split: str) -> EnvironmentSource:
+    return EnvironmentSource(spec.environment, domain=spec.domain_name, seed=seed, split=split, params=spec.params)
 
 
 def train_prompts(data: DataSection, *, process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
@@ -36,7 +42,8 @@ def train_prompts(data: DataSection, *, process_index: int = 0, process_count: i
 def _source_seed(spec: SourceSpec) -> int:
     """A seed of the source itself (its domain and parameters), not of its place in a list, so a
     domain's held-out prompts are the same in every run that trains on it, alone or in a mix."""
-    return zlib.crc32(json.dumps([spec.builtin, spec.params], sort_keys=True).encode())
+    name = spec.builtin if spec.environment is None else ["environment", spec.environment]
+    return zlib.crc32(json.dumps([name, spec.params], sort_keys=True).encode())
 
 
 def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
@@ -48,6 +55,9 @@ def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
             source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec), split="eval",
                                       params=spec.params)
             examples = [source[j] for j in range(data.eval_prompts_per_domain)]
+        elif spec.environment is not None:  # held-out episodes: the environment's eval split
+            episodes = _episodes(spec, data.seed + _source_seed(spec), "eval")
+            examples = [episodes[j] for j in range(data.eval_prompts_per_domain)]
         elif spec.eval_jsonl is not None:
             examples = read_jsonl(spec.eval_jsonl)
         else:
@@ -71,6 +81,9 @@ def validation_prompts(data: DataSection, per_domain: int) -> dict[str, list[Exa
             source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec) + _VALIDATION_SEED_OFFSET,
                                       split="train", params=spec.params)
             examples = [source[j] for j in range(per_domain)]
+        elif spec.environment is not None:
+            episodes = _episodes(spec, data.seed + _source_seed(spec) + _VALIDATION_SEED_OFFSET, "train")
+            examples = [episodes[j] for j in range(per_domain)]
         else:
             examples = read_jsonl(spec.jsonl)[:per_domain]
         for example in examples:
@@ -82,6 +95,8 @@ def source_domains(spec: SourceSpec) -> set[str]:
     """Every domain a source's prompts (training and held-out) belong to."""
     if spec.builtin is not None:
         return {spec.builtin}
+    if spec.environment is not None:
+        return {spec.domain_name}
     files = [spec.jsonl] + ([spec.eval_jsonl] if spec.eval_jsonl else [])
     return {e.domain for f in files for e in read_jsonl(f)}
 

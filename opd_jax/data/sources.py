@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_jax.data.domains import Example, get_domain
+from opd_jax.data.domains import EpisodeSpec, Example, get_domain
 from opd_jax.errors import OpdJaxError
 
 SPLITS = {"train": 0, "eval": 1}
@@ -92,3 +92,23 @@ class ProceduralSource(Sequence):
         prompt, answer = self.sample(np.random.default_rng([self.seed, self.split, index]))
         return Example(prompt=prompt, answer=answer, domain=self.domain.name,
                        uid=f"{self.domain.name}/{'train' if self.split == 0 else 'eval'}/{index}")
+
+
+class EnvironmentSource(Sequence):
+    """Episode i of an environment's stream: its seed drawn from np.random.default_rng([seed,
+    split, i]), so any host can create any episode, and training and held-out episodes differ."""
+
+    def __init__(self, environment: str, *, domain: str, seed: int = 0, split: str = "train", size: int = 10**9,
+                 params: dict[str, Any] | None = None):
+        self.environment, self.domain, self.params = environment, domain, dict(params or {})
+        self.seed, self.split, self.size = seed, split, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Example:
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        episode_seed = int(np.random.default_rng([self.seed, SPLITS[self.split], index]).integers(2**31))
+        return Example(prompt=None, answer="", domain=self.domain, uid=f"{self.domain}/{self.split}/{index}",
+                       episode=EpisodeSpec(self.environment, self.params, episode_seed, self.split))

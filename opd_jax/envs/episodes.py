@@ -1,0 +1,217 @@
+"""Multi-turn episodes through any rollout engine: many at once, their turns batched.
+
+Each episode alternates engine turns and environment steps until the environment ends it, or a
+budget does (turns, tokens). Every turn is a request whose prompt is the whole trajectory so far
+as token ids, so the engine continues exactly what it produced (token in, token out). Episodes
+are asyncio tasks; a `TurnBatcher` gathers the turns waiting on the engine into one `stream`
+call once every running episode is waiting (or after `max_wait_s`), so the embedded engine
+generates them as one batch and a server sees them together.
+
+Faults stay in their episode: an environment that raises, returns something malformed or takes
+longer than `timeout_s`, or a turn the engine failed after its retries, ends that episode as
+"failed" with the reason, and the others go on. A turn aborted by a refit or pause is resumed
+from what it had generated (its tokens keep their log-probs and weight version), never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from opd_jax.envs.codec import TurnCodec
+from opd_jax.envs.protocol import EnvError, Environment, StepResult, Turn, check_result
+from opd_jax.envs.trajectory import Trajectory
+from opd_jax.models import Tokenizer
+from rollout_bridge.protocol import Engine
+from rollout_bridge.records import Completion, Failure, Request, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 8  # model turns per episode
+    max_tokens: int = 512  # prompt + every turn and observation
+    turn_tokens: int = 32  # new tokens per model turn
+    timeout_s: float = 30.0  # for each reset / step of the environment
+    max_resumes: int = 4  # aborted turns resumed per episode before it is reported failed
+
+
+class TurnBatcher:
+    """One engine's turns from many episodes, sent as few `stream` calls as the episodes allow."""
+
+    def __init__(self, engine: Engine, max_wait_s: float = 0.05):
+        self.engine, self.max_wait_s = engine, max_wait_s
+        self._busy = 0  # episodes running (not waiting on the engine)
+        self._waiting: list[tuple[Request, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def enter(self) -> None:
+        self._busy += 1
+
+    def leave(self) -> None:
+        self._busy -= 1
+        self._maybe_flush()
+
+    async def generate(self, request: Request) -> Completion:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((request, future))
+        self._busy -= 1
+        self._maybe_flush()
+        try:
+            return await future
+        finally:
+            self._busy += 1
+
+    def _maybe_flush(self) -> None:
+        if not self._waiting:
+            return
+        if self._busy <= 0:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._waiting = self._waiting, []
+        if batch:
+            asyncio.get_running_loop().create_task(self._serve(batch))
+
+    async def _serve(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
+        futures = {r.request_id: f for r, f in batch}
+        try:
+            async for completion in self.engine.stream([r for r, _ in batch]):
+                future = futures.pop(completion.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(completion)
+        except Exception as e:  # the engine broke mid-batch: every turn still waiting gets a Failure
+            for request, _ in batch:
+                future = futures.pop(request.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(Failure(request, f"{type(e).__name__}: {e}"))
+        for request, _ in batch:  # an engine that broke its protocol (a turn with no completion)
+            future = futures.pop(request.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(Failure(request, "the engine returned no completion for this turn"))
+
+
+async def _call(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """An environment method, plain (in a worker thread) or async, within `timeout` seconds."""
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args), timeout)
+    result = await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+    if inspect.isawaitable(result):
+        result = await asyncio.wait_for(result, timeout)
+    return result
+
+
+class _Fault(Exception):
+    """Ends an episode as failed with this message."""
+
+
+async def run_episode(make_env: Callable[[], Environment], *, batcher: TurnBatcher, codec: TurnCodec,
+                      tokenizer: Tokenizer, sampling: SamplingParams, limits: EpisodeLimits, seed: int,
+                      metadata: dict[str, Any]) -> Trajectory:
+    """One episode of the environment `make_env()` builds; never raises for what the environment
+    or the engine does: such an episode comes back with end "failed" and the reason."""
+    prompt: list[int] = []
+    batcher.enter()
+    try:
+        return await _episode(make_env, prompt, batcher, codec, tokenizer, sampling, limits, seed, metadata)
+    except _Fault as e:
+        return Trajectory.failed(tuple(prompt), str(e), metadata)
+    finally:
+        batcher.leave()
+
+
+async def _environment(what: str, fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    try:
+        return await _call(fn, *args, timeout=timeout)
+    except TimeoutError:
+        raise _Fault(f"the environment's {what} took longer than {timeout:g} s") from None
+    except EnvError as e:
+        raise _Fault(f"the environment's {what}: {e}") from None
+    except Exception as e:  # the user's environment code: whatever it raises ends this episode
+        raise _Fault(f"the environment's {what} raised {type(e).__name__}: {e}") from None
+
+
+async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: TurnCodec, tokenizer: Tokenizer,
+                   sampling: SamplingParams, limits: EpisodeLimits, seed: int, metadata: dict[str, Any]) -> Trajectory:
+    env = await _environment("constructor", make_env, timeout=limits.timeout_s)
+    observation = await _environment("reset", env.reset, timeout=limits.timeout_s)
+    try:
+        prompt.extend(codec.first(observation))
+    except EnvError as e:
+        raise _Fault(f"the first observation: {e}") from None
+    ids: list[int] = []
+    mask: list[int] = []
+    logps: list[float] = []
+    turn_ends: list[int] = []
+    rewards: list[float] = []
+    versions: list[int] = []
+    finishes: list[str] = []
+    routed = None
+    end, success = "truncated", None
+    for turn in range(limits.max_turns):
+        room = limits.max_tokens - len(prompt) - len(ids)
+        if room <= 0:
+            break
+        # one model turn, resumed where a refit or pause cut it
+        out: list[int] = []
+        out_logps: list[float] = []
+        resumes = 0
+        while True:
+            params = dataclasses.replace(sampling, max_new_tokens=min(limits.turn_tokens, room) - len(out))
+            request = Request(tuple(prompt + ids + out), params, metadata,
+                              seed=(seed * 1_000_003 + turn * 101 + resumes) % 2**31)
+            completion = await batcher.generate(request)
+            if isinstance(completion, Failure):
+                raise _Fault(f"turn {turn + 1}: the engine failed it after {completion.attempts} "
+                             f"attempt(s): {completion.error}")
+            out += completion.output_ids
+            out_logps += completion.output_logprobs
+            versions.append(completion.weight_version)
+            routed = completion.routed_experts
+            if completion.finish_reason != "abort" or len(out) >= min(limits.turn_tokens, room):
+                break
+            resumes += 1
+            if resumes > limits.max_resumes:
+                raise _Fault(f"turn {turn + 1} was interrupted {resumes} times")
+        finishes.append("abort" if resumes else completion.finish_reason)
+        if not out:
+            raise _Fault(f"turn {turn + 1}: the engine produced no tokens")
+        ids += out
+        mask += [1] * len(out)
+        logps += out_logps
+        turn_ends.append(len(ids) - 1)
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        where = f"step (turn {turn + 1})"
+        raw = await _environment(where, env.step, Turn(text, tuple(out), completion.finish_reason),
+                                 timeout=limits.timeout_s)
+        try:
+            result: StepResult = check_result(raw)
+        except EnvError as e:
+            raise _Fault(f"the environment's {where}: {e}") from None
+        rewards.append(float(result.reward))
+        if "success" in result.info:
+            success = bool(result.info["success"])
+        if result.done or result.truncated:
+            end = "done" if result.done else "truncated"
+            break
+        try:
+            follow = codec.after_turn(out, result.observation)
+        except EnvError as e:
+            raise _Fault(f"the observation after turn {turn + 1}: {e}") from None
+        if len(prompt) + len(ids) + len(follow) > limits.max_tokens:
+            break  # out of tokens: truncated where the model's last turn ended
+        ids += follow
+        mask += [0] * len(follow)
+        logps += [0.0] * len(follow)
+    return Trajectory(prompt_ids=tuple(prompt), response_ids=tuple(ids), model_mask=tuple(mask),
+                      logprobs=tuple(logps), turn_ends=tuple(turn_ends), turn_rewards=tuple(rewards), end=end,
+                      weight_versions=tuple(versions), finish_reasons=tuple(finishes), metadata=metadata,
+                      success=success, routed_experts=routed)
+
