@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -49,6 +50,10 @@ class LoopThread:
     def submit(self, coroutine: Awaitable[T]):
         """Start a coroutine on the loop; returns a concurrent.futures.Future."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop, before anything submitted after this call."""
+        self._loop.call_soon_threadsafe(fn, *args)
 
     def stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -111,11 +116,12 @@ class PipeStats:
 
 class RolloutPipe:
     """Groups of rollouts for the trainer. `source()` returns the requests of one new group (all
-    sharing one prompt); `take(n, version)` returns n complete groups fit to train weights
-    `version` on, submitting replacements for any it drops."""
+    sharing one prompt), or an awaitable that produces the group itself (multi-turn episodes, each
+    with a `weight_version`; run on the engine's loop); `take(n, version)` returns n complete
+    groups fit to train weights `version` on, submitting replacements for any it drops."""
 
-    def __init__(self, engine: EngineThread, source: Callable[[], list[Request]], *, max_staleness: int = 0,
-                 keep_stale: bool = False, max_dropped: int = 64):
+    def __init__(self, engine: EngineThread, source: Callable[[], list[Request] | Awaitable[list[Any]]], *,
+                 max_staleness: int = 0, keep_stale: bool = False, max_dropped: int = 64):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.engine, self.source = engine, source
@@ -123,14 +129,18 @@ class RolloutPipe:
         self.stats = PipeStats()
         self._pending: list[Any] = []  # futures of whole groups, oldest first
 
-    def _submit_group(self) -> None:
-        self._pending.append(self.engine.submit(in_request_order(self.engine.engine, self.source())))
+    def _submit_groups(self, n: int) -> None:
+        # every group drawn before any is submitted: a source that books its work with the engine's
+        # loop (episodes, see opd_jax.envs) has booked all of it before the first one starts
+        groups = [self.source() for _ in range(n)]
+        for group in groups:
+            job = group if inspect.isawaitable(group) else in_request_order(self.engine.engine, group)
+            self._pending.append(self.engine.submit(job))
 
     def take(self, n: int, trainer_version: int) -> list[list[Rollout]]:
         """n complete groups; then (if max_staleness > 0) n more are submitted to generate while
         the trainer works on these."""
-        while len(self._pending) < n:
-            self._submit_group()
+        self._submit_groups(n - len(self._pending))
         groups: list[list[Rollout]] = []
         dropped = 0
         while len(groups) < n:
@@ -152,10 +162,9 @@ class RolloutPipe:
             if dropped > self.max_dropped:
                 raise PipeError(f"dropped {dropped} groups while collecting {n} (stale: {self.stats.stale_dropped}, "
                                 f"failed: {self.stats.failed_groups}); last failures: {self.stats.failures}")
-            self._submit_group()
+            self._submit_groups(1)
         if self.max_staleness > 0:
-            while len(self._pending) < n:
-                self._submit_group()
+            self._submit_groups(n - len(self._pending))
         return groups
 
     def drain(self) -> None:

@@ -19,7 +19,7 @@ from opd_jax.data import (
     train_prompts,
     validation_prompts,
 )
-from opd_jax.rewards import VERIFIERS, exact_match, load_reward_fn, numeric_match
+from opd_jax.rewards import VERIFIERS, compute_rewards, exact_match, load_reward_fn, numeric_match
 
 
 def solve(domain, prompt):
@@ -173,3 +173,22 @@ def test_a_domains_held_out_and_validation_prompts_do_not_depend_on_the_mix():
     validation = [e.prompt for e in validation_prompts(mixed, 32)["addition"]]
     assert np.mean([p in held_out for p in validation]) < 0.5  # 2-digit sums: overlaps only by chance
     assert source_domains(mixed.train[1]) == {"parity"}
+
+
+def test_a_math_source_is_judged_by_math_verify(tmp_path):
+    """GSM8K-style lines with verifier: math; boxed LaTeX, fractions and plain numbers compare as
+    values (math-verify's own judgement is the reference, checked on cases it documents)."""
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Half of 1?", "answer": "\\frac{1}{2}"}, {"prompt": "Apples?", "answer": "1000"},
+        {"prompt": "Root?", "answer": "\\sqrt{2}"}]) + "\n")
+    config = load_config(None, [f"data.train=[{{jsonl: {path}, verifier: math}}]"])
+    examples = sorted(take(iter(train_prompts(config.data)), 3), key=lambda e: e.uid)
+    responses = ["so it is $\\boxed{0.5}$", "We get 1,000 apples.", "x = \\boxed{\\sqrt{3}}"]
+    np.testing.assert_array_equal(compute_rewards(responses, examples), [1.0, 1.0, 0.0])
+    # without it, the numeric verifier cannot read LaTeX
+    plain = load_config(None, [f"data.train=[{{jsonl: {path}}}]"])
+    examples = sorted(take(iter(train_prompts(plain.data)), 3), key=lambda e: e.uid)
+    assert compute_rewards(responses, examples)[0] == 0.0
+    with pytest.raises(Exception, match="verifier applies to JSONL sources"):
+        load_config(None, ["data.train=[{builtin: addition, verifier: math}]"])

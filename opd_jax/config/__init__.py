@@ -15,6 +15,7 @@ from opd_jax.config.schema import (
     AlgorithmSection,
     CheckpointSection,
     DataSection,
+    EpisodeSection,
     FreshModel,
     LoggingSection,
     ModelSection,
@@ -25,7 +26,7 @@ from opd_jax.config.schema import (
     scoring_temperature,
 )
 
-__all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "ExpertsConfig", "FreshModel",
+__all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "EpisodeSection", "ExpertsConfig", "FreshModel",
            "LoggingSection", "MergeConfig", "ModelSection", "RolloutSection", "SFTSection", "SourceSpec", "TrainConfig",
            "config_changes", "dump_config", "explain", "fixed_on_resume", "load_config", "save_config",
            "scoring_temperature", "to_plain"]

@@ -167,6 +167,18 @@ class QuantizationSection(Section):
         return QuantScheme(self.kind, self.scales or SCALES[self.kind][0], self.block_size)
 
 
+class EpisodeSection(Section):
+    """Multi-turn episodes of the environments in data.train (each model turn is at most
+    rollout.max_new_tokens)."""
+
+    max_turns: int = Field(8, gt=0)
+    """Model turns per episode; an episode still going after them is truncated (the critic's value bootstraps)."""  # noqa: E501
+    max_tokens: int = Field(512, gt=0)
+    """Prompt, turns and observations of one episode; past it the episode is truncated."""
+    timeout_s: float = Field(30.0, gt=0)
+    """An environment's reset or step that takes longer fails its episode (reported; the step goes on)."""
+
+
 class RolloutSection(Section):
     """How samples are drawn. `dtype` is the engine's precision, which may differ from the
     trainer's so the train/inference mismatch is real."""
@@ -203,6 +215,8 @@ class RolloutSection(Section):
     """The reward of a truncated response when truncated is penalize."""
     inject_weight_noise: float = Field(0.0, ge=0)
     """Research knob: add N(0, (noise·std(w))²) to the engine's weights at every sync, a mismatch larger than bf16's."""  # noqa: E501
+    episodes: EpisodeSection = EpisodeSection()
+    """Budgets of multi-turn episodes (environment sources)."""
 
     @model_validator(mode="after")
     def _engine_settings(self) -> RolloutSection:
@@ -247,6 +261,8 @@ class SourceSpec(Section):
     """A JSONL file of {prompt or messages, answer, domain} records."""
     eval_jsonl: str | None = None
     """Held-out prompts of a JSONL source (built-in domains draw their own)."""
+    verifier: Literal["exact", "numeric", "math"] | None = None
+    """How a JSONL source's responses are judged: exact text, the last number, or math (boxed or plain answers, LaTeX, through math-verify); unset: numeric for numeric answers, else exact."""  # noqa: E501
     environment: str | None = None
     """A multi-turn environment: calculator, gridworld, search, or 'module:factory' (opd_jax.envs); held-out episodes come from its eval split."""  # noqa: E501
     domain: str | None = None
@@ -266,6 +282,8 @@ class SourceSpec(Section):
             check_environment(self.environment, self.params)
         elif self.params:
             raise ValueError("params apply to built-in domains and environments only")
+        if self.verifier is not None and self.jsonl is None:
+            raise ValueError("verifier applies to JSONL sources (built-in domains and environments judge their own)")
         if self.domain is not None and self.environment is None:
             raise ValueError("domain names an environment's episodes; prompt sources carry their own")
         return self
@@ -338,6 +356,8 @@ class LoggingSection(Section):
     """Show a progress bar."""
     plot: bool = True
     """Write curves.png at the end."""
+    dump_rollouts: bool = False
+    """Write each step's trajectories to rollouts/step_NNNNNN.jsonl: token ids, text, loss mask, engine and trainer log-probs, rewards, advantages, values."""  # noqa: E501
 
 
 class TrainConfig(Section):

@@ -30,14 +30,15 @@ from opd_jax.core.opd import (
 )
 from opd_jax.core.opd_step import DISTILL_LOSSES, DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
 from opd_jax.core.optim import OptimizerConfig, make_optimizer
-from opd_jax.core.ppo import KLConfig, PPOConfig, PPOState, ppo_step, score_batch
+from opd_jax.core.ppo import KLConfig, PPOConfig, PPOState, advantages_and_returns, ppo_step, score_batch
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import UpdateConfig
 
 __all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "BatchError", "DistillBatch", "KLConfig", "MismatchCorrection",
            "OPDConfig", "OptimizerConfig", "PPOConfig", "PPOState", "PolicyState", "RolloutBatch", "SurrogateConfig",
-           "UpdateConfig", "aggregate", "full_reverse_kl", "gae", "group_advantages", "icepop_weights", "kl_estimate",
+           "UpdateConfig", "advantages_and_returns", "aggregate", "full_reverse_kl", "gae", "group_advantages",
+           "icepop_weights", "kl_estimate",
            "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics", "mismatch_weights",
            "opd_advantages", "opd_step", "outcome_rewards", "policy_logprobs", "policy_loss", "ppo_step",
            "reverse_kl_advantage", "score_batch", "score_student", "select_teacher", "sequence_logits",

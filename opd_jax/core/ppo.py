@@ -335,3 +335,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
     new_state = state.replace(step=state.step + 1, policy=policy, policy_opt=policy_opt, critic=critic,
                               critic_opt=critic_opt)
     return new_state, metrics
+
+
+def advantages_and_returns(batch: RolloutBatch, *, config: PPOConfig, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The advantages [B, T] (whitened when configured) and critic returns [B, T] that `ppo_step`
+    trains this scored batch on; for inspection (logging.dump_rollouts)."""
+    targets, _ = _targets(batch, config, group_size)
+    return targets.advantages, targets.returns

@@ -40,6 +40,7 @@ class Example:
     messages: tuple[dict[str, str], ...] | None = None
     uid: str = ""
     episode: EpisodeSpec | None = None
+    verifier: str | None = None  # exact, numeric or math; None: the domain's, or numeric/exact by the answer
 
 
 @dataclasses.dataclass(frozen=True)

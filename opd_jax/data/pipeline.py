@@ -22,7 +22,7 @@ def _source(spec: SourceSpec, seed: int, split: str) -> grain.MapDataset:
         return grain.MapDataset.source(ProceduralSource(spec.builtin, seed=seed, split=split, params=spec.params))
     if spec.environment is not None:
         return grain.MapDataset.source(_episodes(spec, seed, split))
-    return grain.MapDataset.source(read_jsonl(spec.jsonl)).shuffle(seed=seed)
+    return grain.MapDataset.source(read_jsonl(spec.jsonl, spec.verifier)).shuffle(seed=seed)
 
 
 def _episodes(spec: SourceSpec, seed: int, split: str) -> EnvironmentSource:
@@ -59,7 +59,7 @@ def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
             episodes = _episodes(spec, data.seed + _source_seed(spec), "eval")
             examples = [episodes[j] for j in range(data.eval_prompts_per_domain)]
         elif spec.eval_jsonl is not None:
-            examples = read_jsonl(spec.eval_jsonl)
+            examples = read_jsonl(spec.eval_jsonl, spec.verifier)
         else:
             continue
         for example in examples:
@@ -85,7 +85,7 @@ def validation_prompts(data: DataSection, per_domain: int) -> dict[str, list[Exa
             episodes = _episodes(spec, data.seed + _source_seed(spec) + _VALIDATION_SEED_OFFSET, "train")
             examples = [episodes[j] for j in range(per_domain)]
         else:
-            examples = read_jsonl(spec.jsonl)[:per_domain]
+            examples = read_jsonl(spec.jsonl, spec.verifier)[:per_domain]
         for example in examples:
             out.setdefault(example.domain, []).append(example)
     return out

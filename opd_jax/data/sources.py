@@ -28,10 +28,11 @@ def _message_list(value: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
-def read_jsonl(path: str | Path) -> list[Example]:
+def read_jsonl(path: str | Path, verifier: str | None = None) -> list[Example]:
     """Every example of a JSONL prompt file. Each non-blank line is an object with "prompt" (a
     string) or "messages" (chat turns), "answer" (string or number) and optionally "domain"
-    (default: the file's stem). A bad line raises DataError naming file:line."""
+    (default: the file's stem). A bad line raises DataError naming file:line. `verifier` (exact,
+    numeric, math) judges its responses; None: numeric for numeric answers, else exact."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such prompt file")
@@ -67,7 +68,7 @@ def read_jsonl(path: str | Path) -> list[Example]:
             if not isinstance(domain, str) or not domain:
                 raise DataError(f"{where}: \"domain\" must be a non-empty string")
             examples.append(Example(prompt=prompt, answer=str(answer), domain=domain, messages=messages,
-                                    uid=f"{path.name}:{number}"))
+                                    uid=f"{path.name}:{number}", verifier=verifier))
     if not examples:
         raise DataError(f"{path}: holds no examples")
     return examples

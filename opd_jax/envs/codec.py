@@ -7,7 +7,7 @@ them. With a chat template, what follows a model turn is the template's close of
 message (less the stop token the model already produced) and the observation's messages with the
 next assistant header; both are found by rendering a fixed conversation with and without them,
 so any Jinja chat template works. Without one (the character models), the observation's text is
-encoded as it is.
+encoded as it is, after the model's stop token (added when the turn was cut at its budget).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ _MARK = "\x00OPD_JAX_TURN\x00"  # stands in for the assistant's text when render
 
 class TurnCodec:
     """Token ids of a first observation and of what follows each model turn, for one tokenizer;
-    `chat`: render message observations (and plain-text ones) with its chat template."""
+    `chat`: render message observations (and plain-text ones) with its chat template.
+    `end_of_turn`: the stop token; without a chat template it separates a turn cut at its token
+    budget from the observation after it (as the model's own stop token does)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer: Tokenizer, chat: bool, end_of_turn: int | None = None):
+        self.tokenizer, self.chat, self.end_of_turn = tokenizer, chat, end_of_turn
         if chat:
             if not tokenizer.chat_template:
                 raise EnvError("data.chat_template is on but the tokenizer has no chat template")
@@ -67,7 +69,9 @@ class TurnCodec:
         observation = check_observation(observation)
         messages = self._messages(observation)
         if messages is None:
-            return self._encode(observation) if isinstance(observation, str) else list(observation)
+            cut = self.end_of_turn is not None and (not turn_ids or turn_ids[-1] != self.end_of_turn)
+            return [*([self.end_of_turn] if cut else []),
+                    *(self._encode(observation) if isinstance(observation, str) else observation)]
         full = self.tokenizer.apply_chat_template([*self._base, *messages], add_generation_prompt=True)
         if not full.startswith(self._closed):
             raise EnvError("the chat template renders earlier messages differently once more follow; "

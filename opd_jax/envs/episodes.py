@@ -4,8 +4,8 @@ Each episode alternates engine turns and environment steps until the environment
 budget does (turns, tokens). Every turn is a request whose prompt is the whole trajectory so far
 as token ids, so the engine continues exactly what it produced (token in, token out). Episodes
 are asyncio tasks; a `TurnBatcher` gathers the turns waiting on the engine into one `stream`
-call once every running episode is waiting (or after `max_wait_s`), so the embedded engine
-generates them as one batch and a server sees them together.
+call once every running episode is waiting, so the embedded engine generates them as one batch
+and a server sees them together.
 
 Faults stay in their episode: an environment that raises, returns something malformed or takes
 longer than `timeout_s`, or a turn the engine failed after its retries, ends that episode as
@@ -39,16 +39,27 @@ class EpisodeLimits:
 
 
 class TurnBatcher:
-    """One engine's turns from many episodes, sent as few `stream` calls as the episodes allow."""
+    """One engine's turns from many episodes, sent as few `stream` calls as the episodes allow:
+    a round's turns go out together once every running episode is waiting on the engine, sorted
+    by their seeds. So batches are the same from run to run (what an exact resume needs), and a
+    slow environment holds its round (up to its timeout). `expect(n)` counts n episodes as
+    running before their tasks start, so episodes started together share their first round."""
 
-    def __init__(self, engine: Engine, max_wait_s: float = 0.05):
-        self.engine, self.max_wait_s = engine, max_wait_s
-        self._busy = 0  # episodes running (not waiting on the engine)
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._busy = 0  # episodes running (not waiting on the engine), or expected to start
+        self._expected = 0
         self._waiting: list[tuple[Request, asyncio.Future]] = []
-        self._timer: asyncio.TimerHandle | None = None
+
+    def expect(self, n: int) -> None:
+        self._busy += n
+        self._expected += n
 
     def enter(self) -> None:
-        self._busy += 1
+        if self._expected:
+            self._expected -= 1
+        else:
+            self._busy += 1
 
     def leave(self) -> None:
         self._busy -= 1
@@ -65,19 +76,9 @@ class TurnBatcher:
             self._busy += 1
 
     def _maybe_flush(self) -> None:
-        if not self._waiting:
-            return
-        if self._busy <= 0:
-            self._flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._flush)
-
-    def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        batch, self._waiting = self._waiting, []
-        if batch:
+        if self._waiting and self._busy <= 0:
+            batch = sorted(self._waiting, key=lambda w: (w[0].seed or 0, w[0].prompt_ids))
+            self._waiting = []
             asyncio.get_running_loop().create_task(self._serve(batch))
 
     async def _serve(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
@@ -215,3 +216,33 @@ async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: Tur
                       weight_versions=tuple(versions), finish_reasons=tuple(finishes), metadata=metadata,
                       success=success, routed_experts=routed)
 
+
+
+def demonstration(make_env: Callable[[], Environment], *, codec: TurnCodec, tokenizer: Tokenizer, end_of_turn: int,
+                  limits: EpisodeLimits) -> tuple[list[int], list[int], list[int]]:
+    """An episode played by the environment's own `expert()` (the supervised warm start imitates
+    it): (prompt ids, response ids, loss mask), the mask 1 on the expert's turns and their stop
+    tokens, built exactly as an engine's episode is. EnvError when the environment has no expert."""
+    def call(value: Any) -> Any:
+        return asyncio.run(value) if inspect.isawaitable(value) else value
+
+    env = make_env()
+    if not callable(getattr(env, "expert", None)):
+        raise EnvError(f"{type(env).__name__} has no expert() to imitate; the warm start (sft.steps) needs one")
+    prompt = codec.first(call(env.reset()))
+    ids: list[int] = []
+    mask: list[int] = []
+    for _ in range(limits.max_turns):
+        text = call(env.expert())
+        turn = [*tokenizer.encode(text, add_special_tokens=False)[:limits.turn_tokens - 1], end_of_turn]
+        ids += turn
+        mask += [1] * len(turn)
+        result = check_result(call(env.step(Turn(text, tuple(turn)))))
+        if result.done or result.truncated:
+            break
+        follow = codec.after_turn(turn, result.observation)
+        if len(prompt) + len(ids) + len(follow) > limits.max_tokens:
+            break
+        ids += follow
+        mask += [0] * len(follow)
+    return prompt, ids, mask

@@ -91,6 +91,9 @@ class OPDTask:
     def step_input(self, scored, extra: dict[str, Any]) -> DistillBatch:
         return DistillBatch(rollout=scored, **extra)
 
+    def dump_fields(self, scored, extra: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in extra.items() if getattr(v, "ndim", 0) == 2}  # the teachers' per-token scores
+
     def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
         return name_teachers(metrics, self.plan.teacher_names, set(np.asarray(extra["teacher_index"]).tolist()))
 

@@ -59,6 +59,8 @@ def compute_rewards(responses: Sequence[str], examples: Sequence[Example], rewar
 
 
 def _verifier(example: Example) -> str:
+    if example.verifier is not None:
+        return example.verifier
     if example.domain in DOMAINS:
         return DOMAINS[example.domain].verifier
     try:

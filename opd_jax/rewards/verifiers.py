@@ -28,7 +28,22 @@ def numeric_match(response: str, answer: str) -> float:
         return 0.0
 
 
-VERIFIERS: dict[str, Callable[[str, str], float]] = {"exact": exact_match, "numeric": numeric_match}
+def math_match(response: str, answer: str) -> float:
+    """1 if the response's final answer is mathematically the reference answer, as the
+    `math-verify` package judges it: \\boxed{...} first, else the last expression; LaTeX,
+    fractions, decimals and plain numbers compared as values (e.g. \\boxed{\\frac{1}{2}} vs 0.5)."""
+    import threading
+
+    from math_verify import parse, verify
+
+    # its timeouts use SIGALRM, which only the main thread may set
+    main = threading.current_thread() is threading.main_thread()
+    gold = parse(answer if "$" in answer else f"${answer}$", parsing_timeout=5 if main else None)
+    found = parse(response, parsing_timeout=5 if main else None)
+    return float(bool(gold) and bool(found) and verify(gold, found, timeout_seconds=5 if main else None))
+
+
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"exact": exact_match, "numeric": numeric_match, "math": math_match}
 
 
 def load_reward_fn(path: str) -> RewardFn:

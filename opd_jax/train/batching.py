@@ -1,6 +1,7 @@
-"""Rollouts from any engine into the trainer's RolloutBatch: prompt + response right-padded,
-engine log-probs aligned with the tokens they score, the rewards of the decoded responses, and
-the configured treatment of responses cut at max_new_tokens."""
+"""Rollouts and multi-turn trajectories from any engine into the trainer's RolloutBatch: prompt +
+response right-padded, the loss mask on the model's tokens, engine log-probs aligned with the
+tokens they score, rewards where they were earned, and the configured treatment of responses cut
+at max_new_tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from opd_jax.core import RolloutBatch
 from opd_jax.data import Example
+from opd_jax.envs import Trajectory
 from opd_jax.models import Tokenizer
 from opd_jax.rewards import RewardFn, compute_rewards
 from rollout_bridge.records import Rollout
@@ -67,33 +69,65 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *
     return tokens, attention, response
 
 
-def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_id: int, length: int | None = None,
-                      truncated: str = "keep", truncation_penalty: float = 0.0) -> RolloutBatch:
-    """tokens = prompt + output (right padding), response_mask = 1 on output tokens (the stop
-    token included), logp_infer = the engine's log-prob at the same positions. Responses cut at
-    max_new_tokens ("length"): "keep" trains on them as they are, "mask" drops them from the
-    loss, "penalize" sets their reward to truncation_penalty. Empty responses carry no tokens.
-    Rollouts of a MoE engine bring their expert ids (routing, -1 past each row's tokens)."""
-    if truncated not in ("keep", "mask", "penalize"):
-        raise ValueError(f"truncated must be 'keep', 'mask' or 'penalize', got {truncated!r}")
-    tokens, attention, response = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts],
-                                       pad_id=pad_id, length=length)
-    logp = np.zeros(response.shape, np.float32)
-    rewards = np.asarray(rewards, np.float32).copy()
-    routed = [r.routed_experts for r in rollouts]
+def trajectories_to_batch(trajectories: Sequence[Trajectory], *, pad_id: int, length: int | None = None,
+                          rewards: Sequence[float] | None = None) -> RolloutBatch:
+    """tokens = prompt + every response token (model turns and observations, right padding);
+    response_mask = 1 exactly on the model's tokens (the stop tokens included); logp_infer = the
+    engine's log-prob there; token_rewards = each turn's reward on its last model token; rewards
+    = the episode's return (or `rewards`, one per row); bootstrap = 1 for a truncated episode.
+    Rollouts of a MoE engine bring their expert ids (routing, -1 past what the engine recorded)."""
+    tokens, attention, _ = pack([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                                pad_id=pad_id, length=length)
+    response = np.zeros(tokens.shape, np.float32)
+    logp = np.zeros(tokens.shape, np.float32)
+    token_rewards = np.zeros(tokens.shape, np.float32)
+    routed = [t.routed_experts for t in trajectories]
     routing = None
-    if all(x is not None for x in routed) and routed:  # a MoE engine's expert ids, for routing replay
-        routing = np.full((*response.shape, *np.shape(routed[0])[1:]), -1, np.int32)
-    for i, r in enumerate(rollouts):
-        p, n = len(r.prompt_ids), len(r.output_ids)
-        logp[i, p:p + n] = r.output_logprobs
+    if routed and all(x is not None for x in routed):  # a MoE engine's expert ids, for routing replay
+        routing = np.full((*tokens.shape, *np.shape(routed[0])[1:]), -1, np.int32)
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), len(t.response_ids)
+        response[i, p:p + n] = t.model_mask
+        logp[i, p:p + n] = t.logprobs
+        token_rewards[i, [p + e for e in t.turn_ends]] = t.turn_rewards
         if routing is not None:
-            routing[i, :len(routed[i])] = routed[i]
-        if r.finish_reason == "length":
-            if truncated == "mask":
-                response[i] = 0
-            elif truncated == "penalize":
-                rewards[i] = truncation_penalty
+            k = min(len(routed[i]), tokens.shape[1])
+            routing[i, :k] = routed[i][:k]
+    returns = np.array([t.reward for t in trajectories] if rewards is None else rewards, np.float32)
+    bootstrap = np.array([t.end == "truncated" for t in trajectories], np.float32)
     return RolloutBatch(tokens=jnp.asarray(tokens), attention_mask=jnp.asarray(attention),
                         response_mask=jnp.asarray(response), logp_infer=jnp.asarray(logp),
-                        rewards=jnp.asarray(rewards), routing=None if routing is None else jnp.asarray(routing))
+                        rewards=jnp.asarray(returns), routing=None if routing is None else jnp.asarray(routing),
+                        token_rewards=jnp.asarray(token_rewards), bootstrap=jnp.asarray(bootstrap))
+
+
+def truncation_treatment(rollouts: Sequence[Rollout], rewards: np.ndarray, truncated: str = "keep",
+                         truncation_penalty: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(rewards, keep) after the configured treatment of responses cut at max_new_tokens
+    ("length"): "keep" trains on them as they are, "mask" keeps them out of the loss (keep False),
+    "penalize" sets their reward to truncation_penalty."""
+    if truncated not in ("keep", "mask", "penalize"):
+        raise ValueError(f"truncated must be 'keep', 'mask' or 'penalize', got {truncated!r}")
+    rewards = np.asarray(rewards, np.float32).copy()
+    cut = np.array([r.finish_reason == "length" for r in rollouts], bool)
+    if truncated == "penalize":
+        rewards[cut] = truncation_penalty
+    return rewards, ~cut if truncated == "mask" else np.ones(len(rollouts), bool)
+
+
+def without_rows(batch: RolloutBatch, keep: np.ndarray) -> RolloutBatch:
+    """The batch with the rows where keep is False out of the loss (response mask zeroed)."""
+    if np.all(keep):
+        return batch
+    return batch.replace(response_mask=jnp.where(jnp.asarray(keep)[:, None], batch.response_mask, 0.0))
+
+
+def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_id: int, length: int | None = None,
+                      truncated: str = "keep", truncation_penalty: float = 0.0) -> RolloutBatch:
+    """Single-turn rollouts as one-turn trajectories (`trajectories_to_batch`), the outcome reward
+    on the last response token, cut responses treated as `truncation_treatment` says. Empty
+    responses carry no tokens."""
+    rewards, keep = truncation_treatment(rollouts, rewards, truncated, truncation_penalty)
+    batch = trajectories_to_batch([Trajectory.single_turn(r, x) for r, x in zip(rollouts, rewards, strict=True)],
+                                  pad_id=pad_id, length=length, rewards=rewards)
+    return without_rows(batch, keep)

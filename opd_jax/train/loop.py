@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from opd_jax.config import TrainConfig, scoring_temperature
-from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch
+from opd_jax.core import PPOState, advantages_and_returns, make_optimizer, ppo_step, score_batch
 from opd_jax.models import save_model
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.preflight import check_run_inputs
@@ -50,6 +50,8 @@ class PPOTask:
         self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing)
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
                                          group_size=config.rollout.samples_per_prompt, temperature=temperature)
+        self._advantages = jax.jit(functools.partial(advantages_and_returns, config=config.algorithm.ppo,
+                                                     group_size=config.rollout.samples_per_prompt))
 
     def check_inputs(self) -> None:
         check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
@@ -77,6 +79,10 @@ class PPOTask:
 
     def step_input(self, scored, extra: dict[str, Any]):
         return scored
+
+    def dump_fields(self, scored, extra: dict[str, Any]) -> dict[str, Any]:
+        advantages, returns = self._advantages(scored)
+        return {"advantages": advantages, "returns": returns}
 
     def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
         return metrics

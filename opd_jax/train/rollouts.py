@@ -6,8 +6,9 @@ refits, and held-out evaluation through the same engine."""
 from __future__ import annotations
 
 import functools
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,18 @@ from flax import nnx
 from opd_jax.config import DataSection, RolloutSection, scoring_temperature
 from opd_jax.core import RolloutBatch, validate_batch
 from opd_jax.data import Example, eval_prompts, take, train_prompts
+from opd_jax.envs import Trajectory
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.rewards import RewardError, load_reward_fn
-from opd_jax.train.batching import drop_bad_rewards, rollout_rewards, rollouts_to_batch
+from opd_jax.train.batching import drop_bad_rewards, rollout_rewards, trajectories_to_batch, truncation_treatment, without_rows
 from opd_jax.train.build import EngineNumerics, encode_prompt, stop_ids
 from opd_jax.train.engines import make_engine, routing_layout, weight_update
+from opd_jax.train.episodes import EpisodePlayer, episode_metrics
 from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import evaluate
 from rollout_bridge.pipe import PipeError, RolloutPipe
 from rollout_bridge.protocol import TEMPERED_UNTRUNCATED, EngineError
-from rollout_bridge.records import Request, Rollout, SamplingParams
+from rollout_bridge.records import Request, SamplingParams
 
 
 class RolloutSession:
@@ -50,13 +53,18 @@ class RolloutSession:
         self.encode: Callable[[Example], list[int]] = functools.partial(
             encode_prompt, tokenizer=tokenizer, chat_template=data.chat_template)
         self.stops = stop_ids(tokenizer, policy)
-        self.held_out = eval_prompts(data)
+        held_out = eval_prompts(data)
+        self.held_out = {d: v for d, v in held_out.items() if v[0].episode is None}
+        self.held_out_episodes = {d: v for d, v in held_out.items() if v[0].episode is not None}
         longest_prompt = max((len(self.encode(e)) for v in self.held_out.values() for e in v), default=64)
+        has_episodes = any(spec.environment is not None for spec in data.train)
         self.sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                        top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=self.stops)
         try:
+            cache = 2 * longest_prompt + rollout.max_new_tokens + 16
             self.engine = make_engine(rollout, seed, self._update(params, version),
-                                      max_cache_len=2 * longest_prompt + rollout.max_new_tokens + 16,
+                                      max_cache_len=max(cache, rollout.episodes.max_tokens + 16) if has_episodes
+                                      else cache,
                                       pad_id=tokenizer.pad_token_id or 0, refit_dir=run_dir / "refit",
                                       routing=routing_layout(policy.config) if record_routing else None)
         except EngineError as e:
@@ -67,6 +75,10 @@ class RolloutSession:
             raise RunError(f"the rollout engine reports log-probs {self.engine.logprob_convention} "
                            f"(SGLANG_RETURN_ORIGINAL_LOGPROB is set for its servers), but the trainer scores "
                            f"log_softmax(logits / {temperature}): unset it, or sample at rollout.temperature 1")
+        self.episodes = EpisodePlayer(self.engine, tokenizer, chat_template=data.chat_template,
+                                      episodes=rollout.episodes, turn_tokens=rollout.max_new_tokens,
+                                      end_of_turn=self.stops[0]) \
+            if has_episodes else None
         self.pipe = RolloutPipe(self.engine, self._next_group, max_staleness=rollout.max_staleness,
                                 keep_stale=rollout.keep_stale)
 
@@ -86,51 +98,71 @@ class RolloutSession:
     def _update(self, params: nnx.State, version: int):
         return weight_update(self.rollout, self.policy_config, params, self.tokenizer, version)
 
-    def _next_group(self) -> list[Request]:
-        """G requests of the next prompt; each sample's seed follows from the run seed and its
-        position in the stream, so a resumed run draws the same samples."""
+    def _next_group(self) -> list[Request] | Awaitable[list[Trajectory]]:
+        """G requests of the next prompt, or G episodes of the next environment instance; each
+        sample's seed follows from the run seed and its position in the stream, so a resumed run
+        draws the same samples."""
         (example,) = take(self.prompts, 1)
         index = self.groups_drawn
         self.groups_drawn += 1
         group = self.rollout.samples_per_prompt
+        seeds = [(self.seed * 1_000_003 + index * group + j) % 2**31 for j in range(group)]
         # the example rides along in the metadata (engines copy it onto the rollout, never send it)
-        return [Request(self.encode(example), self.sampling, {"domain": example.domain, "group": index,
-                                                              "example": example},
-                        seed=(self.seed * 1_000_003 + index * group + j) % 2**31) for j in range(group)]
+        metadata = {"domain": example.domain, "group": index, "example": example}
+        if example.episode is not None:
+            return self.episodes.group(example, self.sampling, seeds, metadata)
+        return [Request(self.encode(example), self.sampling, metadata, seed=s) for s in seeds]
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint must hold to resume the prompt stream exactly."""
         return {"data": self.prompts.get_state(), "groups_drawn": self.groups_drawn}
 
-    def next_batch(self, step: int, vocab_size: int) -> tuple[RolloutBatch, list[Rollout], dict[str, float]]:
-        """The rollouts for training step `step` (0-based) on weights `step`, their rewards, and
-        the trainer's batch of them (checked: named errors for NaN, bad ids, ...)."""
+    def next_batch(self, step: int, vocab_size: int) -> tuple[RolloutBatch, list[Trajectory], dict[str, float]]:
+        """The rollouts and episodes for training step `step` (0-based) on weights `step`, as
+        trajectories, their rewards, and the trainer's batch of them (checked: named errors for
+        NaN, bad ids, ...). Failed episodes and bad rewards leave the loss and are counted."""
         began = time.perf_counter()
         try:
             groups = self.pipe.take(self.data.prompts_per_step, trainer_version=step)
         except PipeError as e:
             raise RunError(f"step {step + 1}: {e}") from None
         wait = time.perf_counter() - began
-        rollouts = [r for g in groups for r in g]
-        try:
-            rewards = rollout_rewards(rollouts, [r.metadata["example"] for r in rollouts], self.tokenizer,
-                                      self.reward_fn, on_bad=self.data.on_bad_reward)
-        except RewardError as e:
-            raise RunError(f"step {step + 1}: {e} (data.on_bad_reward: skip drops such samples)") from None
-        bad = np.isnan(rewards)
-        batch = rollouts_to_batch(rollouts, np.nan_to_num(rewards), pad_id=self.tokenizer.pad_token_id or 0,
-                                  truncated=self.rollout.truncated, truncation_penalty=self.rollout.truncation_penalty)
+        trajectories, rewards, keep = [], [], []
+        for group in groups:
+            if isinstance(group[0], Trajectory):  # episodes: the environment gave the rewards
+                trajectories += group
+                rewards += [math.nan if t.end == "failed" else t.reward for t in group]
+                keep += [True] * len(group)
+                continue
+            try:
+                group_rewards = rollout_rewards(group, [r.metadata["example"] for r in group], self.tokenizer,
+                                                self.reward_fn, on_bad=self.data.on_bad_reward)
+            except RewardError as e:
+                raise RunError(f"step {step + 1}: {e} (data.on_bad_reward: skip drops such samples)") from None
+            group_rewards, group_keep = truncation_treatment(group, group_rewards, self.rollout.truncated,
+                                                             self.rollout.truncation_penalty)
+            trajectories += [Trajectory.single_turn(r, x) for r, x in zip(group, group_rewards)]
+            rewards += list(group_rewards)
+            keep += list(group_keep)
+        rewards = np.asarray(rewards, np.float32)
+        bad = np.isnan(rewards)  # bad rewards (skipped) and failed episodes
+        batch = without_rows(trajectories_to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0,
+                                                   rewards=np.nan_to_num(rewards)), np.asarray(keep))
         if bad.any():
-            kept, mask = drop_bad_rewards(np.where(bad, np.nan, np.asarray(batch.rewards)),
-                                          np.asarray(batch.response_mask), self.rollout.samples_per_prompt)
+            kept, mask = drop_bad_rewards(rewards, np.asarray(batch.response_mask), self.rollout.samples_per_prompt)
             batch = batch.replace(rewards=jnp.asarray(kept), response_mask=jnp.asarray(mask))
         validate_batch(batch, vocab_size=vocab_size)
-        generated = sum(len(r.output_ids) for r in rollouts)
-        return batch, rollouts, {
+        generated = sum(sum(t.model_mask) for t in trajectories)
+        episodes = [t for t in trajectories if t.metadata.get("example") and t.metadata["example"].episode]
+        single = [t for t in trajectories if t not in episodes] if episodes else trajectories
+        bad_rewards = int(bad.sum()) - sum(t.end == "failed" for t in episodes)
+        return batch, trajectories, {
             "rollout/tokens_per_s": generated / max(wait, 1e-9), "rollout/wait_s": wait,
-            "rollout/staleness": float(np.mean([step - r.weight_version for r in rollouts])),
-            "rollout/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
-            **({"reward/bad_samples": float(bad.sum())} if self.data.on_bad_reward == "skip" else {})}
+            "rollout/staleness": float(np.mean([step - t.weight_version for t in trajectories])),
+            **({"rollout/truncated_frac": float(np.mean([t.finish_reasons[-1:] == ("length",) for t in single]))}
+               if single else {}),
+            **(episode_metrics(episodes) if episodes else {}),
+            **({"reward/bad_samples": float(bad_rewards)} if self.data.on_bad_reward == "skip" else {})}
 
     def refit(self, params: nnx.State, version: int) -> dict[str, float]:
         """Serve weights `version` from now on; the refit time and the engine's counters."""
@@ -145,11 +177,16 @@ class RolloutSession:
     def evaluate(self, at_step: int) -> dict[str, float]:
         """Held-out accuracy per domain of the weights the engine serves now (greedy)."""
         try:
-            return evaluate(self.engine, self.tokenizer, self.held_out, self.encode,
-                            max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=self.stops,
-                            reward_fn=self.reward_fn, on_bad=self.data.on_bad_reward)
+            out = evaluate(self.engine, self.tokenizer, self.held_out, self.encode,
+                           max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=self.stops,
+                           reward_fn=self.reward_fn, on_bad=self.data.on_bad_reward)
         except RewardError as e:
             raise RunError(f"evaluation at step {at_step}: {e}") from None
+        if self.episodes is not None:
+            out.update(self.episodes.evaluate(self.held_out_episodes, self.stops))
+            accuracies = [v for k, v in out.items() if k.endswith("/accuracy") and k != "eval/accuracy"]
+            out["eval/accuracy"] = float(np.nanmean(accuracies))
+        return out
 
     def close(self) -> None:
         self.engine.close()

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.config import ConfigError, DataSection, config_changes, dump_config, fixed_on_resume
+from opd_jax.envs import Trajectory
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import (
     MeshError,
@@ -43,11 +44,11 @@ from opd_jax.parallel import (
 from opd_jax.train import signals
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import say
+from opd_jax.train.dump import dump_rollouts
 from opd_jax.train.errors import Interrupted, RunDirError, RunError
 from opd_jax.train.metrics import MetricsLog, plot_curves, run_summary
 from opd_jax.train.rollouts import RolloutSession
 from opd_jax.train.run_dir import RunDirectory, checkpoint_steps
-from rollout_bridge.records import Rollout
 
 
 class Task(Protocol):
@@ -76,8 +77,11 @@ class Task(Protocol):
 
     def policy_params(self, state: Any) -> nnx.State: ...
 
-    def extra_inputs(self, batch: Any, rollouts: list[Rollout]) -> dict[str, Any]:
+    def extra_inputs(self, batch: Any, rollouts: list[Trajectory]) -> dict[str, Any]:
         """Per-row arrays the step needs besides the scored batch (teacher scores, ...), on the host."""
+
+    def dump_fields(self, scored: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        """Per-token arrays [B, T] worth seeing beside each dumped trajectory (advantages, ...)."""
 
     def step_input(self, scored: Any, extra: dict[str, Any]) -> Any: ...
 
@@ -253,6 +257,9 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
             step_fn = sharded_step(task.step_fn, state, example, mesh)
         scored = score_fn(state, shard(batch, batch_shardings(batch, mesh)))
         on_mesh = shard(extra, batch_shardings(extra, mesh)) if extra else extra
+        if config.logging.dump_rollouts:  # before the step, which donates the state the fields are taken from
+            dump_rollouts(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1, rollouts, scored,
+                          task.dump_fields(scored, on_mesh), task.tokenizer)
         state, step_metrics = step_fn(state, task.step_input(scored, on_mesh))
         metrics.update(task.name_metrics({k: float(v) for k, v in step_metrics.items()}, extra))
         if metrics["nonfinite_inputs"]:

@@ -9,30 +9,52 @@ from pathlib import Path
 
 import numpy as np
 
-from opd_jax.config import TrainConfig
+from opd_jax.config import EpisodeSection, TrainConfig
 from opd_jax.core import RolloutBatch, make_optimizer
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
+from opd_jax.envs import EpisodeLimits, TurnCodec, load_environment
+from opd_jax.envs.episodes import demonstration
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import batch_shardings, make_mesh, shard, sharded_step, tree_shardings
 from opd_jax.train import signals
 from opd_jax.train.batching import pack
 from opd_jax.train.build import encode_prompt, stop_ids
 from opd_jax.train.console import progress, restart_clock
-from opd_jax.train.errors import Interrupted
+from opd_jax.train.errors import Interrupted, RunError
 
 # the warm start reads its own stream, so RL later sees the same prompts with or without it
 _SFT_SEED_OFFSET = 7919
 
 
-def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: Decoder, chat: bool) -> RolloutBatch:
-    """Prompt + reference answer + stop token per example; the loss covers answer and stop."""
+def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: Decoder, chat: bool,
+                        episodes: EpisodeSection = EpisodeSection(), turn_tokens: int = 32) -> RolloutBatch:
+    """Prompt + reference answer + stop token per example; the loss covers answer and stop. An
+    environment's episode is played by its expert, the loss on the expert's turns."""
     eos = stop_ids(tokenizer, policy)[0]
-    tokens, attention, response = pack(
-        [encode_prompt(e, tokenizer, chat) for e in examples],
-        [[*tokenizer.encode(e.answer, add_special_tokens=False), eos] for e in examples],
-        pad_id=tokenizer.pad_token_id or 0)
+    prompts, responses, masks = [], [], []
+    for example in examples:
+        if example.episode is None:
+            answer = [*tokenizer.encode(example.answer, add_special_tokens=False), eos]
+            prompts.append(encode_prompt(example, tokenizer, chat))
+            responses.append(answer)
+            masks.append([1] * len(answer))
+            continue
+        spec = example.episode
+        limits = EpisodeLimits(max_turns=episodes.max_turns, max_tokens=episodes.max_tokens, turn_tokens=turn_tokens)
+        try:
+            prompt, response, mask = demonstration(
+                functools.partial(load_environment(spec.environment), spec.seed, spec.split, **spec.params),
+                codec=TurnCodec(tokenizer, chat, eos), tokenizer=tokenizer, end_of_turn=eos, limits=limits)
+        except Exception as error:  # the user's environment: whatever it raises is named with its episode
+            raise RunError(f"warm start on episode {example.uid}: {type(error).__name__}: {error}") from None
+        prompts.append(prompt)
+        responses.append(response)
+        masks.append(mask)
+    tokens, attention, response = pack(prompts, responses, pad_id=tokenizer.pad_token_id or 0)
+    for i, (p, m) in enumerate(zip(prompts, masks)):
+        response[i, len(p):len(p) + len(m)] = m
     return RolloutBatch(tokens=tokens, attention_mask=attention, response_mask=response,
                         logp_infer=np.zeros_like(response), rewards=np.zeros(len(examples), np.float32))
 
@@ -52,7 +74,8 @@ def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_p
     with log_path.open("w") as log, bar:
         for i in range(config.sft.steps):
             batch = demonstration_batch(take(prompts, config.sft.batch_size), tokenizer, policy,
-                                        config.data.chat_template)
+                                        config.data.chat_template, config.rollout.episodes,
+                                        config.rollout.max_new_tokens)
             if step is None:
                 bar.set_postfix_str("compiling the step")
                 step = sharded_step(functools.partial(sft_step, router_balance_coef=config.sft.router_balance_coef),
