@@ -1,9 +1,11 @@
-"""Does the quickstart's RL phase raise held-out accuracy? `configs/quickstart.yaml` run end to end
-as a user runs it (`opd-jax train`) once per seed; the seed moves everything random (model init,
-prompt streams, samples). The gain is the final held-out accuracy minus the accuracy right after
-the warm start (step 0), per seed; reported as mean with a two-sided 95% t-interval over seeds.
+"""Does the quickstart's RL phase raise held-out accuracy? `configs/quickstart.yaml` (or --config,
+e.g. the multi-turn `configs/quickstart_agent.yaml`) run end to end as a user runs it (`opd-jax
+train`) once per seed; the seed moves everything random (model init, prompt streams, samples).
+The gain is the final held-out accuracy (an environment's: its success rate) minus the accuracy
+right after the warm start (step 0), per seed; reported as mean with a two-sided 95% t-interval
+over seeds.
 
-usage: python benchmarks/bench_quickstart.py [--seeds 0 1 2] [--out runs/bench_quickstart] [KEY=VALUE ...]
+usage: python benchmarks/bench_quickstart.py [--config C] [--seeds 0 1 2] [--out DIR] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from bench_common import t_interval
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
+def run_seed(seed: int, out: Path, overrides: list[str], config: Path) -> dict:
     run_dir = out / f"seed{seed}"
-    command = [sys.executable, "-m", "opd_jax.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
+    command = [sys.executable, "-m", "opd_jax.cli", "train", str(config),
                f"seed={seed}", f"model.fresh.seed={seed}", f"data.seed={seed}", f"logging.run_dir={run_dir}",
                "logging.progress_bar=false", *overrides]
     began = time.perf_counter()
@@ -43,15 +45,16 @@ def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_quickstart")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every seed")
     args = parser.parse_args()
     if args.out.exists():
         sys.exit(f"error: {args.out} exists; remove it or pass --out")
-    runs = [run_seed(s, args.out, args.overrides) for s in args.seeds]
+    runs = [run_seed(s, args.out, args.overrides, args.config) for s in args.seeds]
     keys = list(runs[0]["after"])
-    print(f"\nquickstart over seeds {args.seeds} ({len(runs)} runs), held-out accuracy after the warm start (step 0) "
+    print(f"\n{args.config.name} over seeds {args.seeds} ({len(runs)} runs), held-out accuracy after the warm start (step 0) "
           f"and after RL (step {runs[0]['final_step']}); gain: mean and 95% t-interval over seeds\n")
     print("| held-out | after SFT | after RL | gain [95% CI] | gain per seed |")
     print("| --- | ---: | ---: | ---: | --- |")

@@ -24,3 +24,17 @@ def straight_run(tmp_path_factory):
     from opd_jax.config import load_config
     from opd_jax.train import train
     return train(load_config(None, [*TINY, *RESUME_ARGS, f"logging.run_dir={tmp_path_factory.mktemp('straight')}"]))
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) a test that uses a
+    module- or session-scoped fixture runs on the same worker as the rest of its file, so the
+    fixture (a loaded model, a launched server) is built once; other tests spread freely. Files
+    sharing a session fixture name one group themselves (xdist_group("straight_run"))."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].scope in ("module", "session", "package", "class") for d in defs if d):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -52,7 +52,9 @@ data:
     (["mesh.data=0"], "mesh: Value error, mesh axis sizes must be positive or -1"),
     (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt: Input should be greater than 0"),
     (["data.train=[{builtin: addition, wieght: 2}]"], "data.train.0.wieght: unknown key"),
-    (["data.train=[{weight: 2}]"], "data.train.0: Value error, a data source sets exactly one of builtin and jsonl"),
+    (["data.train=[{weight: 2}]"], "data.train.0: Value error, a data source sets exactly one of builtin, jsonl and environment"),
+    (["data.train=[{environment: search, params: {colour: 2}}]"], "environment 'search' does not take the parameters"),
+    (["data.train=[{environment: no_such_module:make}]"], "cannot import 'no_such_module'"),
     (["model.fresh.num_layers=2", "model.path=x"], "model: Value error, set exactly one of model.path and model.fresh"),
     (["steps"], "override 'steps' is not of the form key.path=value"),
 ])

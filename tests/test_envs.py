@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -367,3 +372,45 @@ def test_episodes_keep_the_engines_tokens_where_re_encoding_would_change_them(en
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # the last observation too
     assert tokenizer.decode(full) == rendered
     assert tokenizer.encode(rendered, add_special_tokens=False) != full  # what re-encoding would have trained on
+
+
+# --- a run ---------------------------------------------------------------------------------------
+
+AGENT = Path(__file__).parents[1] / "configs" / "quickstart_agent.yaml"
+SHORT_AGENT = ["steps=40", "logging.eval_every=10", "checkpoint.every=40", "logging.progress_bar=false",
+               "logging.tensorboard=false", "logging.plot=false", "checkpoint.export_hf=false",
+               "logging.dump_rollouts=true"]
+
+
+def test_ppo_with_the_critic_raises_held_out_success_on_the_search_game(tmp_path):
+    """configs/quickstart_agent.yaml, 40 of its 60 steps, as a user runs it on one CPU device (a
+    subprocess; eight simulated devices would double its time): the warm start leaves the policy
+    guessing, PPO across turns lifts held-out success clearly (measured here: 0.36 after the warm
+    start, 0.66 / 0.52 / 0.63 at steps 20 / 30 / 40 on 64 held-out episodes; one seed, so the
+    margin asked of their mean is about half the gain). The dumped trajectories are what the last
+    step trained on."""
+    from opd_jax.train import read_metrics
+
+    run = tmp_path / "run"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    result = subprocess.run([sys.executable, "-m", "opd_jax.cli", "train", str(AGENT), *SHORT_AGENT,
+                             f"logging.run_dir={run}"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/search/accuracy" in r]
+    before = evals[0]["eval/search/accuracy"]
+    assert [r["step"] for r in evals] == [0, 10, 20, 30, 40]
+    after = np.mean([r["eval/search/accuracy"] for r in evals[2:]])
+    assert after >= before + 0.12, [r["eval/search/accuracy"] for r in evals]
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "episodes/turns" in r]
+    assert all(1 <= r["episodes/turns"] <= 5 and r["episodes/failed"] == 0 for r in steps)
+    rows = [json.loads(line) for line in (run / "rollouts" / "step_000040.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 * 4
+    for row in rows:
+        mask = np.asarray(row["loss_mask"])
+        assert len(row["token_ids"]) == len(mask) == len(row["logp_engine"]) == len(row["advantages"])
+        assert not mask[:row["prompt_len"]].any() and mask.sum() >= row["turns"]
+        assert np.all(np.asarray(row["logp_engine"])[mask == 0] == 0) and np.all(np.asarray(row["logp_engine"])[mask == 1] < 0)
+        assert np.all(np.asarray(row["advantages"])[mask == 0] == 0)
+        np.testing.assert_allclose(np.asarray(row["logp_trainer"])[mask == 1], np.asarray(row["logp_engine"])[mask == 1],
+                                   atol=1e-4)
+        assert row["text"].startswith("guess 0-15\n") and row["reward"] == float(row["success"])

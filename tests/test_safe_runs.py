@@ -28,6 +28,9 @@ from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.metrics import read_metrics
 from opd_jax.train.run_dir import RunDirectory, checkpoint_steps, lock
 
+# with pytest-xdist, one worker runs every test of conftest's straight_run (computed once per worker)
+pytestmark = pytest.mark.xdist_group("straight_run")
+
 # the loop tests' run (conftest's straight_run): 6 steps, checkpoints at 2, 4, 6 (3 kept)
 RUN = [*TINY, *RESUME_ARGS]
 TIMING = ("rollout/tokens_per_s", "rollout/wait_s", "rollout/refit_s")

@@ -16,6 +16,9 @@ from opd_jax.train import RunError, train
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.metrics import read_metrics, run_summary
 
+# with pytest-xdist, one worker runs every test of conftest's straight_run (computed once per worker)
+pytestmark = pytest.mark.xdist_group("straight_run")
+
 
 def config(tmp_path, *extra):
     return load_config(None, [*TINY, f"logging.run_dir={tmp_path}", *extra])

@@ -20,11 +20,11 @@ reward functions are plugged; built-in ones by name (`calculator`, `gridworld`, 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from opd_jax.errors import OpdJaxError
+from opd_jax.plugins import import_callable
 
 Message = dict[str, str]
 Observation = str | Sequence[Message] | Sequence[int]
@@ -80,18 +80,13 @@ def load_environment(name: str) -> EnvironmentFactory:
     builtins = builtin_environments()
     if name in builtins:
         return builtins[name]
-    module_name, sep, attribute = name.partition(":")
-    if not sep or not module_name or not attribute:
+    if ":" not in name:
         raise EnvError(f"environment {name!r} is neither built in ({', '.join(sorted(builtins))}) "
-                                f"nor a 'module:factory' import path")
+                       f"nor a 'module:factory' import path")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise EnvError(f"environment {name!r}: cannot import {module_name!r} ({e})") from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise EnvError(f"environment {name!r}: {module_name} has no callable {attribute!r}")
-    return factory
+        return import_callable(name, "environment", "module:factory")
+    except ValueError as e:
+        raise EnvError(str(e)) from None
 
 
 def check_environment(name: str, params: dict[str, Any]) -> None:

@@ -3,9 +3,10 @@ functions loaded by import path."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
+
+from opd_jax.plugins import import_callable
 
 RewardFn = Callable[[str, str, str, str], float]  # (prompt, response, answer, domain) -> reward
 
@@ -48,14 +49,4 @@ VERIFIERS: dict[str, Callable[[str, str], float]] = {"exact": exact_match, "nume
 
 def load_reward_fn(path: str) -> RewardFn:
     """'package.module:function' -> the function, called as f(prompt, response, answer, domain)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {path!r} must be given as 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {path!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward function {path!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return import_callable(path, "reward function")

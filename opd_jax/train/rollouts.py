@@ -153,8 +153,9 @@ class RolloutSession:
             batch = batch.replace(rewards=jnp.asarray(kept), response_mask=jnp.asarray(mask))
         validate_batch(batch, vocab_size=vocab_size)
         generated = sum(sum(t.model_mask) for t in trajectories)
-        episodes = [t for t in trajectories if t.metadata.get("example") and t.metadata["example"].episode]
-        single = [t for t in trajectories if t not in episodes] if episodes else trajectories
+        is_episode = [t.metadata["example"].episode is not None for t in trajectories]
+        episodes = [t for t, e in zip(trajectories, is_episode) if e]
+        single = [t for t, e in zip(trajectories, is_episode) if not e]
         bad_rewards = int(bad.sum()) - sum(t.end == "failed" for t in episodes)
         return batch, trajectories, {
             "rollout/tokens_per_s": generated / max(wait, 1e-9), "rollout/wait_s": wait,
