@@ -257,8 +257,9 @@ def test_a_bad_reward_names_the_function_and_the_sample_or_is_skipped(tmp_path):
                        "data.reward_fn=bad_reward:none_on_odd_length"),
                    "reward function bad_reward:none_on_odd_length returned None (NoneType) on sample max/train/",
                    "data.on_bad_reward: skip", started=True)
+    # three new tokens at most: a response cut there has odd length, so some samples are bad
     result = cli("train", *RUN, f"logging.run_dir={tmp_path / 'c'}", "steps=3", "logging.eval_every=3",
-                 "data.reward_fn=bad_reward:none_on_odd_length", "data.on_bad_reward=skip")
+                 "rollout.max_new_tokens=3", "data.reward_fn=bad_reward:none_on_odd_length", "data.on_bad_reward=skip")
     assert result.exit_code == 0, result.output
     rows = read_metrics(tmp_path / "c" / "metrics.jsonl")
     steps = [r for r in rows if "reward_mean" in r]

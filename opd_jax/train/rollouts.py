@@ -141,7 +141,8 @@ class RolloutSession:
                 raise RunError(f"step {step + 1}: {e} (data.on_bad_reward: skip drops such samples)") from None
             group_rewards, group_keep = truncation_treatment(group, group_rewards, self.rollout.truncated,
                                                              self.rollout.truncation_penalty)
-            trajectories += [Trajectory.single_turn(r, x) for r, x in zip(group, group_rewards)]
+            # a bad sample's NaN stays in `rewards` (it leaves the loss below), not in its token rewards
+            trajectories += [Trajectory.single_turn(r, 0.0 if math.isnan(x) else x) for r, x in zip(group, group_rewards)]
             rewards += list(group_rewards)
             keep += list(group_keep)
         rewards = np.asarray(rewards, np.float32)
