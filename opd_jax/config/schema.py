@@ -314,6 +314,11 @@ class DataSection(Section):
     seed: int = 0
     """Seed of the prompt stream."""
 
+    @property
+    def has_environments(self) -> bool:
+        """Whether any source is a multi-turn environment (episodes)."""
+        return any(spec.environment is not None for spec in self.train)
+
 
 class SFTSection(Section):
     """Supervised warm start on the training domains' reference answers before RL (steps = 0:

@@ -11,10 +11,12 @@ from opd_jax.envs.protocol import (
            builtin_environments,
            check_observation,
            check_result,
+    episode_factory,
            load_environment,
 )
 from opd_jax.envs.trajectory import Trajectory
 
 __all__ = ["EnvError", "Environment", "EnvironmentFactory", "EpisodeLimits", "StepResult", "Trajectory", "Turn",
-           "TurnBatcher", "TurnCodec", "builtin_environments", "check_observation", "check_result", "load_environment",
+           "TurnBatcher", "TurnCodec", "builtin_environments", "check_observation", "check_result", "episode_factory",
+           "load_environment",
            "run_episode"]

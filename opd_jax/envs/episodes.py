@@ -217,7 +217,6 @@ async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: Tur
                       success=success, routed_experts=routed)
 
 
-
 def demonstration(make_env: Callable[[], Environment], *, codec: TurnCodec, tokenizer: Tokenizer, end_of_turn: int,
                   limits: EpisodeLimits) -> tuple[list[int], list[int], list[int]]:
     """An episode played by the environment's own `expert()` (the supervised warm start imitates

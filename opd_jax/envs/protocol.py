@@ -89,6 +89,13 @@ def load_environment(name: str) -> EnvironmentFactory:
         raise EnvError(str(e)) from None
 
 
+def episode_factory(spec: Any) -> Callable[[], Environment]:
+    """What creates the environment of one episode (an opd_jax.data EpisodeSpec: its environment,
+    parameters, seed and split)."""
+    factory = load_environment(spec.environment)
+    return lambda: factory(spec.seed, spec.split, **spec.params)
+
+
 def check_environment(name: str, params: dict[str, Any]) -> None:
     """Load the environment and create one episode with these parameters, so a wrong name or
     parameter is named when the config is read (EnvError), not mid-run."""

@@ -4,7 +4,6 @@ success through the same engine, and the per-episode metrics."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -12,10 +11,16 @@ import numpy as np
 
 from opd_jax.config import EpisodeSection
 from opd_jax.data import Example
-from opd_jax.envs import EpisodeLimits, Trajectory, TurnBatcher, TurnCodec, load_environment, run_episode
+from opd_jax.envs import EpisodeLimits, Trajectory, TurnBatcher, TurnCodec, episode_factory, run_episode
 from opd_jax.models import Tokenizer
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.records import SamplingParams
+
+
+def episode_limits(episodes: EpisodeSection, turn_tokens: int) -> EpisodeLimits:
+    """The budgets of rollout.episodes, each model turn at most `turn_tokens` (rollout.max_new_tokens)."""
+    return EpisodeLimits(max_turns=episodes.max_turns, max_tokens=episodes.max_tokens, turn_tokens=turn_tokens,
+                         timeout_s=episodes.timeout_s)
 
 
 class EpisodePlayer:
@@ -26,14 +31,11 @@ class EpisodePlayer:
                  turn_tokens: int, end_of_turn: int):
         self.engine, self.tokenizer = engine, tokenizer
         self.codec = TurnCodec(tokenizer, chat_template, end_of_turn)
-        self.limits = EpisodeLimits(max_turns=episodes.max_turns, max_tokens=episodes.max_tokens,
-                                    turn_tokens=turn_tokens, timeout_s=episodes.timeout_s)
+        self.limits = episode_limits(episodes, turn_tokens)
         self._batcher = TurnBatcher(engine.engine)  # used on the engine's loop only
 
     def _episode(self, example: Example, sampling: SamplingParams, seed: int, metadata: dict[str, Any]):
-        spec = example.episode
-        make = functools.partial(load_environment(spec.environment), spec.seed, spec.split, **spec.params)
-        return run_episode(make, batcher=self._batcher, codec=self.codec, tokenizer=self.tokenizer,
+        return run_episode(episode_factory(example.episode), batcher=self._batcher, codec=self.codec, tokenizer=self.tokenizer,
                            sampling=sampling, limits=self.limits, seed=seed, metadata=metadata)
 
     def group(self, example: Example, sampling: SamplingParams, seeds: Sequence[int],

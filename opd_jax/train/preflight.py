@@ -114,7 +114,6 @@ def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], da
     check_data(data, tokenizer, None if config is None else config.max_position_embeddings, max_new_tokens)
     if rollout is not None:
         check_engine("rollout", rollout, config)
-        episodes = any(spec.environment is not None for spec in data.train)
-        if episodes and config is not None and rollout.episodes.max_tokens > config.max_position_embeddings:
+        if data.has_environments and config is not None and rollout.episodes.max_tokens > config.max_position_embeddings:
             raise ConfigError(f"rollout.episodes.max_tokens is {rollout.episodes.max_tokens}, more than the model's "
                               f"context of {config.max_position_embeddings} tokens")

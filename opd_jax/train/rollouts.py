@@ -57,7 +57,7 @@ class RolloutSession:
         self.held_out = {d: v for d, v in held_out.items() if v[0].episode is None}
         self.held_out_episodes = {d: v for d, v in held_out.items() if v[0].episode is not None}
         longest_prompt = max((len(self.encode(e)) for v in self.held_out.values() for e in v), default=64)
-        has_episodes = any(spec.environment is not None for spec in data.train)
+        has_episodes = data.has_environments
         self.sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                        top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=self.stops)
         try:

@@ -14,7 +14,7 @@ from opd_jax.core import RolloutBatch, make_optimizer
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
-from opd_jax.envs import EpisodeLimits, TurnCodec, load_environment
+from opd_jax.envs import TurnCodec, episode_factory
 from opd_jax.envs.episodes import demonstration
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import batch_shardings, make_mesh, shard, sharded_step, tree_shardings
@@ -22,6 +22,7 @@ from opd_jax.train import signals
 from opd_jax.train.batching import pack
 from opd_jax.train.build import encode_prompt, stop_ids
 from opd_jax.train.console import progress, restart_clock
+from opd_jax.train.episodes import episode_limits
 from opd_jax.train.errors import Interrupted, RunError
 
 # the warm start reads its own stream, so RL later sees the same prompts with or without it
@@ -33,6 +34,7 @@ def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: D
     """Prompt + reference answer + stop token per example; the loss covers answer and stop. An
     environment's episode is played by its expert, the loss on the expert's turns."""
     eos = stop_ids(tokenizer, policy)[0]
+    codec, limits = TurnCodec(tokenizer, chat, eos), episode_limits(episodes, turn_tokens)
     prompts, responses, masks = [], [], []
     for example in examples:
         if example.episode is None:
@@ -41,12 +43,9 @@ def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: D
             responses.append(answer)
             masks.append([1] * len(answer))
             continue
-        spec = example.episode
-        limits = EpisodeLimits(max_turns=episodes.max_turns, max_tokens=episodes.max_tokens, turn_tokens=turn_tokens)
         try:
-            prompt, response, mask = demonstration(
-                functools.partial(load_environment(spec.environment), spec.seed, spec.split, **spec.params),
-                codec=TurnCodec(tokenizer, chat, eos), tokenizer=tokenizer, end_of_turn=eos, limits=limits)
+            prompt, response, mask = demonstration(episode_factory(example.episode), codec=codec, tokenizer=tokenizer,
+                                                   end_of_turn=eos, limits=limits)
         except Exception as error:  # the user's environment: whatever it raises is named with its episode
             raise RunError(f"warm start on episode {example.uid}: {type(error).__name__}: {error}") from None
         prompts.append(prompt)
