@@ -1,15 +1,22 @@
 """Weight refit and crashes against the real sglang-jax server. sglang-jax has no
 update_weights_from_disk, so refit='auto' restarts the server on the new directory: the served
 weights and the version change, rollouts cut by the refit are resumed and carry both versions,
-and a server killed mid-request is relaunched by supervision while its requests are retried."""
+a server killed mid-request is relaunched by supervision while its requests are retried, and
+multi-turn episodes go on through both."""
 
 from __future__ import annotations
+
+import asyncio
+import functools
+import time
 
 import httpx
 import numpy as np
 import pytest
-from sglang_setup import collect, running_servers, save_tiny, tiny_model, trainer_logprobs, wait_for_tokens
+from sglang_setup import TOKENIZER, collect, running_servers, save_tiny, tiny_model, trainer_logprobs, wait_for_tokens
 
+from opd_jax.envs import EpisodeLimits, TurnBatcher, TurnCodec, run_episode
+from opd_jax.envs.gridworld import GridworldEnv
 from rollout_bridge.protocol import EngineError, WeightUpdate
 from rollout_bridge.records import Request, Rollout, SamplingParams
 from rollout_bridge.sglang_engine import SGLangEngine
@@ -73,16 +80,58 @@ def test_refit_disk_mode_names_the_missing_endpoint(launched):
     loop.run(engine.close())
 
 
-def test_a_server_killed_mid_request_is_relaunched_and_its_requests_retried(launched):
-    group, loop, _ = launched
-    engine = SGLangEngine(servers=group, max_retries=50, backoff_s=0.5, max_backoff_s=2.0)
-    requests = [Request(p, SamplingParams(max_new_tokens=100, temperature=1.0)) for p in PROMPTS]
-    future = loop.submit(collect(engine, requests))
-    wait_for_tokens(engine, [requests[0].request_id])
+def test_episodes_go_on_through_a_refit_and_a_crash_mid_episode(launched):
+    """Multi-turn episodes (random gridworld play) through the server while it is refitted by
+    restart after their first turns, then killed mid-turn: no turn is dropped and no episode
+    fails; the turn in flight at the refit is resumed on the new weights and the crashed one
+    retried; each model token's log-prob is that of the weights that sampled it, and each
+    trajectory's turns carry versions 0 then 1."""
+    group, loop, root = launched
+    engine = SGLangEngine(servers=group, refit="auto", refit_dir=root / "refit_episodes", max_retries=50,
+                          backoff_s=0.5, max_backoff_s=2.0)
+    turns_done = []
+
+    class Counting:  # the engine as the episodes see it, counting the turns it hands back
+        async def stream(self, requests):
+            async for completion in engine.stream(requests):
+                turns_done.append(completion)
+                yield completion
+
+    batcher, codec = TurnBatcher(Counting()), TurnCodec(TOKENIZER, False)
+    limits = EpisodeLimits(max_turns=4, max_tokens=480, turn_tokens=40, timeout_s=5)
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0)
+
+    async def episodes():
+        batcher.expect(4)
+        return await asyncio.gather(*(run_episode(functools.partial(GridworldEnv, s, max_moves=40), batcher=batcher,
+                                                  codec=codec, tokenizer=TOKENIZER, sampling=sampling, limits=limits,
+                                                  seed=s, metadata={}) for s in range(4)))
+
+    def in_flight_after(completed: int) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            partial = [f.partial for f in list(engine._flights.values())]
+            if len(turns_done) >= completed and any(p is not None and p.output_ids for p in partial):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"no turn in flight after {completed} completed turns")
+
+    future = loop.submit(episodes())
+    in_flight_after(4)  # the first round done, the second streaming
+    loop.run(engine.update_weights(WeightUpdate(1, save_hf=lambda d: save_tiny(d, 1))), timeout=600)
     crashes = group.crashes()
+    in_flight_after(12)  # the third round streaming on the new weights
     group.kill(group.urls[0])
-    done = future.result(600)
-    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
-    assert all(isinstance(c, Rollout) and len(c.output_ids) == 100 for c in done)
-    assert group.crashes() == crashes + 1 and engine.stats.retries >= 1
+    trajectories = future.result(900)
+    assert group.crashes() == crashes + 1 and engine.stats.retries >= 1 and engine.stats.interrupted >= 1
+    for t in trajectories:
+        assert t.end == "truncated" and t.turns == 4 and t.error is None, t.error
+        assert list(t.weight_versions) == sorted(t.weight_versions) and set(t.weight_versions) == {0, 1}
+        mask = np.asarray(t.model_mask, bool)
+        served = np.asarray(t.logprobs)[mask]
+        old = trainer_logprobs(OLD, t.prompt_ids, t.response_ids, 1.0)[mask]
+        new = trainer_logprobs(NEW, t.prompt_ids, t.response_ids, 1.0)[mask]
+        by_old, by_new = np.abs(served - old) < 1e-4, np.abs(served - new) < 1e-4
+        split = int(np.argmin(by_old)) if not by_old.all() else len(served)
+        assert 0 < split < len(served) and by_old[:split].all() and by_new[split:].all()
     loop.run(engine.close())
