@@ -31,7 +31,7 @@ from opd_jax.models import Decoder, ModelConfig, load_model, save_model
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.parallel import MeshConfig, make_mesh
 from opd_jax.train import checkpoint_steps
-from opd_jax.train.batching import pack
+from opd_jax.train.batching import pad_rows
 
 TOKENIZER = char_tokenizer()
 CONFIG = ModelConfig(family="llama", vocab_size=TOKENIZER.vocab_size, hidden_size=32, intermediate_size=64,
@@ -144,7 +144,7 @@ def ragged_batch(rows_: int, seed: int = 0) -> RolloutBatch:
     rng = np.random.default_rng(seed)
     prompts = [list(rng.integers(3, CONFIG.vocab_size, int(rng.integers(2, 6)))) for _ in range(rows_)]
     responses = [list(rng.integers(3, CONFIG.vocab_size, int(rng.integers(1, 7)))) for _ in range(rows_)]
-    tokens, attention, response = pack(prompts, responses, pad_id=0, length=16)
+    tokens, attention, response = pad_rows(prompts, responses, pad_id=0, length=16)
     return RolloutBatch(tokens=tokens, attention_mask=attention, response_mask=response,
                         logp_infer=np.zeros(response.shape, np.float32), rewards=np.zeros(rows_, np.float32))
 

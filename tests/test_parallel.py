@@ -3,6 +3,7 @@ really split by the logical-axis rules, and the sharded step equal to the unshar
 process and in two processes on loopback."""
 
 import functools
+import math
 import os
 import socket
 import subprocess
@@ -16,11 +17,13 @@ from flax import nnx
 from ppo_setup import STEP_CONFIG, TINY_MOE, assert_updates_close, make_state, scored_batch, step_optimizer
 
 from opd_jax.core import ppo_step
+from opd_jax.core.packing import pack_batch
 from opd_jax.models import ModelConfig
 from opd_jax.parallel import (
     MeshConfig,
     MeshError,
     batch_shardings,
+    batch_shards,
     logical_spec,
     make_mesh,
     shard,
@@ -92,10 +95,16 @@ def check_really_sharded(tree, mesh):
     return split
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
-def test_sharded_step_equals_unsharded(unsharded, mesh_shape):
+@pytest.mark.parametrize("mesh_shape, packed", [((8, 1, 1), False), ((2, 4, 1), False), ((2, 2, 2), False),
+                                               ((2, 2, 2), True)])
+def test_sharded_step_equals_unsharded(unsharded, mesh_shape, packed):
+    """The sharded step equals the one-device one; packed (in groups of the data shards x two
+    mini-batches, rows of twice the length), it equals the one-device step on padded rows."""
     state, batch, ref, ref_metrics = unsharded
     mesh = make_mesh(MeshConfig(*mesh_shape))
+    if packed:
+        batch = pack_batch(batch, math.lcm(batch_shards(mesh), STEP_CONFIG.update.minibatches), row_len=24)
+        assert batch.packing[1] < batch.packing[0]
     sharded_state = shard(state, tree_shardings(state, mesh))
     sharded_batch = shard(batch, batch_shardings(batch, mesh))
     split = check_really_sharded((sharded_state.policy, sharded_state.critic, sharded_state.policy_opt,

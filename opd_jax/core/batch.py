@@ -34,7 +34,10 @@ class RolloutBatch:
     Multi-turn episodes: token_rewards [B, T], each turn's reward on its last model token (without
     it, the outcome reward sits on the last response token); bootstrap [B], 1 for an episode cut
     short (the critic's value of its final state, end_values [B] from `score_batch`, continues
-    the return) and 0 for one that ended."""
+    the return) and 0 for one that ended.
+    Packing (`core.packing`): pack_row, pack_offset [B] place each row in fewer packed rows for
+    the forwards; packing = (seqs_per_group, rows_per_group, row_len) is their static layout.
+    Without them the forwards run on the padded rows."""
 
     tokens: jax.Array
     attention_mask: jax.Array
@@ -48,6 +51,9 @@ class RolloutBatch:
     token_rewards: jax.Array | None = None
     bootstrap: jax.Array | None = None
     end_values: jax.Array | None = None
+    pack_row: jax.Array | None = None
+    pack_offset: jax.Array | None = None
+    packing: tuple[int, int, int] | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def positions(self) -> jax.Array:
@@ -56,7 +62,7 @@ class RolloutBatch:
 
 
 _TOKEN_FIELDS = ("attention_mask", "response_mask", "logp_infer", "logp_old", "old_values", "logp_ref", "token_rewards")
-_ROW_FIELDS = ("rewards", "bootstrap", "end_values")
+_ROW_FIELDS = ("rewards", "bootstrap", "end_values", "pack_row", "pack_offset")
 _FLOAT_FIELDS = ("logp_infer", "logp_old", "old_values", "logp_ref")
 
 

@@ -3,9 +3,15 @@ passes need them: logits, per-token log-probs (and entropies), critic values. Pu
 SFT all build on these, so none of them depends on another.
 
 All outputs line up with batch.tokens [B, T]: position t holds what the model says of tokens[t]
-given tokens[:t] (`token_logprobs`, `shift_right`)."""
+given tokens[:t] (`token_logprobs`, `shift_right`). A packed batch (batch.packing) runs the model
+on its packed rows and maps each per-token output back to [B, T] (`core.packing`): the same
+numbers, up to float rounding, for less compute."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +19,32 @@ from flax import nnx
 
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.packing import pack_tokens, unpack
 from opd_jax.core.update import map_rows
 from opd_jax.models.moe import RouterInfo
+
+
+def _run(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool, **kwargs
+         ) -> tuple[Any, jax.Array, Callable[[jax.Array], jax.Array]]:
+    """The module (graphdef, params) on the batch, padded or packed: (its output, the tokens it
+    ran on, and the map of a per-token output of that run to the batch's [B, T] layout)."""
+    model = nnx.merge(graphdef, params)
+    if batch.packing is None:
+        out = model(batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask, unroll=unroll,
+                    **kwargs)
+        return out, batch.tokens, lambda x: x
+    valid = batch.attention_mask > 0
+    tokens, positions, segments, routing = pack_tokens(batch.tokens, batch.positions, valid, batch.pack_row,
+                                                       batch.pack_offset, batch.packing, extra=kwargs.get("routing"))
+    if routing is not None:
+        kwargs["routing"] = routing
+    out = model(tokens, positions=positions, attention_mask=segments > 0, segment_ids=segments, unroll=unroll,
+                **kwargs)
+    return out, tokens, lambda x: unpack(x, batch.pack_row, batch.pack_offset, valid, batch.packing)
+
+
+def _with_ids(router: RouterInfo | None, back: Callable[[jax.Array], jax.Array]) -> RouterInfo | None:
+    return None if router is None else dataclasses.replace(router, ids=back(router.ids))
 
 
 def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
@@ -24,12 +54,10 @@ def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
     with_router, also what a MoE model's routers did, None for a dense model). A batch with the
     engine's routing (batch.routing) is compared with the model's own (the flip fraction) and,
     with replay, used for every token the engine routed (R3)."""
-    logits, router = nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions,
-                                                 attention_mask=batch.attention_mask, unroll=unroll,
-                                                 routing=batch.routing, replay=jnp.asarray(replay),
-                                                 return_routing=True)
-    logits = logits / temperature if temperature != 1.0 else logits
-    return (logits, router) if with_router else logits
+    (logits, router), _, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
+                                     replay=jnp.asarray(replay), return_routing=True)
+    logits = back(logits / temperature if temperature != 1.0 else logits)
+    return (logits, _with_ids(router, back)) if with_router else logits
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
@@ -41,10 +69,15 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
         logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]
 
     Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense)."""
-    logits, router = sequence_logits(graphdef, params, batch, unroll=unroll, temperature=temperature,
-                                     with_router=True, replay=replay)
-    logp, entropy = token_logprobs(logits, batch.tokens, with_entropy=with_entropy)
-    return (logp, entropy, router) if with_router else (logp, entropy)
+    (logits, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
+                                          replay=jnp.asarray(replay), return_routing=True)
+    logits = logits / temperature if temperature != 1.0 else logits
+    # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
+    # token (never trained on), and set to 0 as the padded path has it
+    first = jnp.arange(batch.tokens.shape[1])[None, :] == 0
+    logp, entropy = (None if x is None else jnp.where(first, 0.0, back(x))
+                     for x in token_logprobs(logits, tokens, with_entropy=with_entropy))
+    return (logp, entropy, _with_ids(router, back)) if with_router else (logp, entropy)
 
 
 def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
@@ -54,8 +87,8 @@ def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
 
 
 def _values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool = 1) -> jax.Array:
-    return nnx.merge(graphdef, params)(batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask,
-                                       unroll=unroll)
+    values, _, back = _run(graphdef, params, batch, unroll)
+    return back(values)
 
 
 def values_and_final(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch) -> tuple[jax.Array, jax.Array]:

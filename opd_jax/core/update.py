@@ -39,11 +39,19 @@ class UpdateConfig:
     """Slices each mini-batch's gradient is accumulated over (same update, less memory)."""
     layer_unroll: int | bool = True
     """Layers per scan iteration in training (true: all; faster steps, slower compile)."""
+    pack: bool = False
+    """Run the forwards (scoring and the step) on packed rows: trajectories laid end to end,
+    attention kept within each, so compute goes to tokens instead of padding. The same numbers
+    as padded rows, up to float rounding; each new packed shape compiles once."""
+    pack_row_tokens: int | None = None
+    """Tokens per packed row (default: the batch's padded length, its longest trajectory)."""
 
     def __post_init__(self):
         for name in ("epochs", "minibatches", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pack_row_tokens is not None and self.pack_row_tokens < 1:
+            raise ValueError(f"pack_row_tokens must be >= 1, got {self.pack_row_tokens}")
 
     def check_batch_size(self, batch_size: int, group_size: int | None = None) -> None:
         check_batch_split(batch_size, self.minibatches, self.microbatches, group_size)

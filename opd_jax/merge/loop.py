@@ -59,6 +59,7 @@ class OPDTask:
         self.temperature = scoring_temperature(config.rollout)
         opd = config.opd
         group = config.rollout.samples_per_prompt
+        self.update = opd.update
         self.scoring_fn = functools.partial(score_student, temperature=self.temperature,
                                             microbatches=opd.update.microbatches)
         self.step_fn = functools.partial(opd_step, config=opd, group_size=group,

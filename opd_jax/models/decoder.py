@@ -252,8 +252,8 @@ class Backbone(nnx.Module):
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, cache: KVCache | None = None,
                  unroll: int | bool = 1, routing: jax.Array | None = None, replay: jax.Array | None = None,
-                 return_routing: bool = False) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None,
-                                                                                           jax.Array]:
+                 return_routing: bool = False, segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, jax.Array]:
         """Final hidden states [B, T, hidden] (and the updated cache when one is given).
 
         tokens: int [B, T]. positions: int [B, T], default 0..T-1. attention_mask: [B, T], 1 for
@@ -265,7 +265,8 @@ class Backbone(nnx.Module):
         replay [B, T] is set (default: everywhere; routing replay, R3) and compared with this
         model's own routing (RouterInfo.flip_fraction) everywhere; return_routing adds a
         RouterInfo (the expert ids used and the routers' statistics per MoE layer; None for a
-        dense model).
+        dense model). segment_ids: int [B, T], packed rows (no cache): a token attends only to
+        earlier tokens of its own segment (give positions restarting at each segment).
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -281,6 +282,11 @@ class Backbone(nnx.Module):
             key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, write_at))
             query_slot, key_slot = write_at + jnp.arange(T), jnp.arange(cache.slots)
         allowed = key_valid[:, None, :] & (key_slot[None, :] <= query_slot[:, None])[None]
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) are for training forwards, not a cache")
+            chex.assert_shape(segment_ids, (B, T))
+            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
         dt = jnp.dtype(self.compute_dtype)
         x = self.embed[...].astype(dt)[tokens]
@@ -348,11 +354,11 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
-                 replay: jax.Array | None = None, return_routing: bool = False
+                 replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
         """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone)."""
         hidden, _, info = self.backbone(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
-                                        routing=routing, replay=replay, return_routing=True)
+                                        routing=routing, replay=replay, return_routing=True, segment_ids=segment_ids)
         return (self.logits(hidden), info) if return_routing else self.logits(hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -21,12 +21,12 @@ def sharded_step(step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch:
     `state` and `batch` are examples (shapes and structure only). Call the result with arrays
     placed by `shard(x, state_shardings(...))` / `shard(batch, batch_shardings(...))`."""
     state_sh = tree_shardings(state, mesh, rules)
-    batch_sh = batch_shardings(batch, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                     donate_argnums=(0,) if donate else ())
-    return under_mesh(jitted, mesh, rules)
+    def jit_for(example: Any) -> Callable:
+        return jax.jit(step, in_shardings=(state_sh, batch_shardings(example, mesh, rules)),
+                       out_shardings=(state_sh, replicated), donate_argnums=(0,) if donate else ())
+    return under_mesh(_per_structure(jit_for, batch), mesh, rules)
 
 
 def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, mesh: Mesh,
@@ -35,9 +35,26 @@ def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, me
     state sharded as for the step (and not donated: the step needs it next), the batch split over
     the data axes on the way in and out."""
     state_sh = tree_shardings(state, mesh, rules)
-    batch_sh = batch_shardings(jax.eval_shape(score, state, batch), mesh, rules)
-    jitted = jax.jit(score, in_shardings=(state_sh, batch_shardings(batch, mesh, rules)), out_shardings=batch_sh)
-    return under_mesh(jitted, mesh, rules)
+
+    def jit_for(example: Any) -> Callable:
+        out_sh = batch_shardings(jax.eval_shape(score, state, example), mesh, rules)
+        return jax.jit(score, in_shardings=(state_sh, batch_shardings(example, mesh, rules)), out_shardings=out_sh)
+    return under_mesh(_per_structure(jit_for, batch), mesh, rules)
+
+
+def _per_structure(jit_for: Callable[[Any], Callable], example: Any) -> Callable:
+    """(state, batch) -> jit_for(batch)(state, batch), one jitted function per batch structure: a
+    batch's static fields (a packed batch's layout) are part of it, and each needs its own
+    in_shardings. The first is built from `example`, the others as batches bring them."""
+    jitted = {jax.tree.structure(example): jit_for(example)}
+
+    @functools.wraps(next(iter(jitted.values())))
+    def call(state: Any, batch: Any) -> Any:
+        key = jax.tree.structure(batch)
+        if key not in jitted:
+            jitted[key] = jit_for(batch)
+        return jitted[key](state, batch)
+    return call
 
 
 def under_mesh(jitted: Callable, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Callable:

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax.core import RolloutBatch
+from opd_jax.core import RolloutBatch, UpdateConfig
+from opd_jax.core.packing import pack_batch
 from opd_jax.data import Example
 from opd_jax.envs import Trajectory
 from opd_jax.models import Tokenizer
@@ -50,7 +51,7 @@ def batch_length(lengths: Sequence[int], multiple: int = 32) -> int:
     return multiple * math.ceil(max(lengths) / multiple)
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
+def pad_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
          length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, attention_mask, response_mask), each [B, length]: prompt + response right-padded,
     the response mask 1 on the response's positions."""
@@ -76,7 +77,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, pad_id: int, le
     engine's log-prob there; token_rewards = each turn's reward on its last model token; rewards
     = the episode's return (or `rewards`, one per row); bootstrap = 1 for a truncated episode.
     Rollouts of a MoE engine bring their expert ids (routing, -1 past what the engine recorded)."""
-    tokens, attention, _ = pack([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+    tokens, attention, _ = pad_rows([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
                                 pad_id=pad_id, length=length)
     response = np.zeros(tokens.shape, np.float32)
     logp = np.zeros(tokens.shape, np.float32)
@@ -131,3 +132,11 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_i
     batch = trajectories_to_batch([Trajectory.single_turn(r, x) for r, x in zip(rollouts, rewards, strict=True)],
                                   pad_id=pad_id, length=length, rewards=rewards)
     return without_rows(batch, keep)
+
+
+def packed_for(batch: RolloutBatch, update: UpdateConfig, shards: int) -> RolloutBatch:
+    """The batch with a packing plan when `update.pack` is on (`core.packing`): in groups that
+    every split of the step keeps whole (the mesh's data shards, mini- and micro-batches)."""
+    if not update.pack:
+        return batch
+    return pack_batch(batch, math.lcm(shards, update.minibatches * update.microbatches), update.pack_row_tokens)

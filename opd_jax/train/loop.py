@@ -47,6 +47,7 @@ class PPOTask:
         self.data = config.data
         temperature = scoring_temperature(config.rollout)
         self.replays_routing = config.algorithm.ppo.routing_replay == "r3"
+        self.update = config.algorithm.ppo.update
         self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing)
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
                                          group_size=config.rollout.samples_per_prompt, temperature=temperature)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.config import ConfigError, DataSection, config_changes, dump_config, fixed_on_resume
+from opd_jax.core import UpdateConfig
 from opd_jax.envs import Trajectory
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import (
@@ -42,6 +43,7 @@ from opd_jax.parallel import (
     tree_shardings,
 )
 from opd_jax.train import signals
+from opd_jax.train.batching import packed_for
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import say
 from opd_jax.train.dump import dump_rollouts
@@ -64,6 +66,7 @@ class Task(Protocol):
     step_fn: Any  # (state, step input) -> (state, metrics) (pure; the runner jits it)
     nonfinite_inputs: str  # what the step's "nonfinite_inputs" counts, for the error message
     replays_routing: bool  # a MoE policy trains on the engine's experts: the engine must record them
+    update: UpdateConfig  # how the step updates (its splits of the batch, packing)
 
     def check_inputs(self) -> None:
         """Every input (models, data files, reward function, ...) checked without loading weights:
@@ -248,6 +251,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
     for step in range(start, config.steps):
         began = time.perf_counter()
         batch, rollouts, metrics = session.next_batch(step, vocab)
+        batch = packed_for(batch, task.update, batch_shards(mesh))
         extra = task.extra_inputs(batch, rollouts)
         compiling = step_fn is None
         if compiling:
