@@ -85,6 +85,10 @@ def test_sglang_engine_settings_are_checked():
         load_config(None, ["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match="for engine 'sglang'"):
         load_config(None, ["rollout.sglang.urls=[http://127.0.0.1:1]"])
+    with pytest.raises(ConfigError, match="decode_slots is the embedded engine's"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]", "rollout.decode_slots=8"])
+    with pytest.raises(ConfigError, match="rollout.decode_slots: Input should be greater than 0"):
+        load_config(None, ["rollout.decode_slots=0"])
 
 
 @pytest.mark.parametrize("schema,key", [

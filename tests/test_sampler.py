@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from opd_jax.models import Decoder, KVCache, ModelConfig
+from opd_jax.models.moe import MoEConfig
 from opd_jax.sampling import PromptTooLongError, Sampler, SamplingParams, sample_tokens, truncate_top_k_top_p
 
 CONFIG = ModelConfig(family="qwen3", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -214,3 +215,37 @@ def test_truncated_sampling_logprobs_compare_like_with_like():
     truncated = np.where(np.asarray(batch.response_mask) > 0, truncated, 0.0)
     theirs = mismatch_metrics(trainer, jnp.asarray(truncated), batch.response_mask, **band)
     assert float(theirs["mismatch_outside_band_frac"]) > 0.3, float(theirs["mismatch_outside_band_frac"])
+
+
+# --- continuous batching -----------------------------------------------------------------------
+
+TINY_MOE_SAMPLER = ModelConfig(family="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                               num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=256,
+                               moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=16, dense_layers=(0,)))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "fp8_kv"])
+def test_continuous_batching_equals_each_request_alone(model, kind):
+    """Eleven requests of ragged prompts, budgets and stop ids through three slots: each one's
+    tokens, log-probs, finish reason (and a MoE model's experts per token) are those it gets run
+    alone with the same key; finished requests leave their slot to waiting ones."""
+    if kind == "moe":
+        model = Decoder(TINY_MOE_SAMPLER, rngs=nnx.Rngs(1))
+    kv = "float8_e4m3fn" if kind == "fp8_kv" else None
+    rng = np.random.default_rng(4)
+    prompts = ragged_prompts(rng, rng.integers(1, 12, 11))
+    params = [SamplingParams(max_new_tokens=int(rng.choice([3, 17, 40])), temperature=float(rng.choice([0.0, 0.8, 1.0])),
+                             top_k=int(rng.choice([0, 5])), stop_token_ids=(3, 7)) for _ in prompts]
+    keys = jax.random.split(jax.random.key(9), len(prompts))
+    sampler = Sampler(model, max_cache_len=64, slots=3, kv_cache_dtype=kv)
+    together = sampler.generate(prompts, params, keys)
+    single = Sampler(model, max_cache_len=64, kv_cache_dtype=kv)
+    lengths = set()
+    for i, got in enumerate(together):
+        (alone,) = single.generate([prompts[i]], [params[i]], keys[i:i + 1])
+        assert got.output_ids == alone.output_ids and got.finish_reason == alone.finish_reason, i
+        np.testing.assert_allclose(got.output_logprobs, alone.output_logprobs, atol=1e-4)
+        if kind == "moe":
+            np.testing.assert_array_equal(got.routed_experts, alone.routed_experts)
+        lengths.add(len(got.output_ids))
+    assert len(lengths) > 3 and {r.finish_reason for r in together} == {"stop", "length"}

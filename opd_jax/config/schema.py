@@ -209,6 +209,8 @@ class RolloutSection(Section):
     """Weight-only quantization of the engine (fp8, int8, int4)."""
     kv_cache_dtype: Literal["bfloat16", "float8_e4m3fn"] | None = None
     """The engine's KV cache precision; unset: rollout.dtype. float8_e4m3fn keeps one scale per token and head."""
+    decode_slots: int | None = Field(None, gt=0)
+    """Embedded engine: decode at most this many requests at once by continuous batching (a finished one's slot goes to the next); unset: each batch of requests decodes together."""  # noqa: E501
     truncated: Literal["keep", "mask", "penalize"] = "keep"
     """A response cut at max_new_tokens: trained on as is, masked out of the loss, or given truncation_penalty as reward."""  # noqa: E501
     truncation_penalty: float = 0.0
@@ -227,6 +229,9 @@ class RolloutSection(Section):
         if self.engine == "embedded" and (servers.urls or servers.launch is not None):
             raise ValueError("rollout.sglang.urls / rollout.sglang.launch are for engine 'sglang'; the embedded "
                              "engine has none")
+        if self.engine == "sglang" and self.decode_slots is not None:
+            raise ValueError("rollout.decode_slots is the embedded engine's; SGLang servers batch continuously "
+                             "by themselves (their --max-running-requests)")
         return self
 
 

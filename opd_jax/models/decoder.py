@@ -32,8 +32,10 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (pa
 class KVCache:
     """Keys/values per layer and slot, which slots hold real tokens, and how many are filled.
 
-    k, v: [layers, B, S, kv_heads, head_dim]; valid: [B, S] bool; length: int32 scalar, the number
-    of slots written so far (the same for every row: prompts are left-padded). A float8 cache
+    k, v: [layers, B, S, kv_heads, head_dim]; valid: [B, S] bool; length: the number of slots
+    written so far, an int32 scalar (the same for every row: prompts are left-padded) or [B], one
+    per row (continuous batching: each row is a request of its own, admitted at its own time). A
+    float8 cache
     keeps each (token, head) vector scaled into e4m3's range, its scale in k_scale / v_scale
     [layers, B, S, kv_heads] (float32): k ≈ k_fp8 · k_scale (`_to_cache`, `_from_cache`).
     """
@@ -48,7 +50,8 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> KVCache:
         shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
-        scales = (jnp.ones(shape[:-1], jnp.float32),) * 2 if _is_fp8(dtype) else (None, None)
+        # two buffers, not one twice: a donated cache must not alias its k and v scales
+        scales = tuple(jnp.ones(shape[:-1], jnp.float32) for _ in range(2)) if _is_fp8(dtype) else (None, None)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), valid=jnp.zeros((batch, slots), bool),
                    length=jnp.zeros((), jnp.int32), k_scale=scales[0], v_scale=scales[1])
 
@@ -206,9 +209,16 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
         stored = []
         for new, cache, scales in zip((k, v), cache_kv[:2], cache_kv[2:]):
             value, scale = _to_cache(new, cache.dtype)
-            cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
-            if scales is not None:
-                scales = jax.lax.dynamic_update_slice(scales, scale[None], (layer, 0, write_at, 0))
+            if write_at.ndim == 0:
+                cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
+                if scales is not None:
+                    scales = jax.lax.dynamic_update_slice(scales, scale[None], (layer, 0, write_at, 0))
+            else:  # a slot per row: scatter each row's T new entries at its own write position
+                rows = jnp.arange(value.shape[0])[:, None]
+                cols = write_at[:, None] + jnp.arange(value.shape[1])[None]
+                cache = cache.at[layer, rows, cols].set(value, mode="drop")
+                if scales is not None:
+                    scales = scales.at[layer, rows, cols].set(scale, mode="drop")
             stored.append((cache, scales))
         (cache_k, k_scale), (cache_v, v_scale) = stored
         layer_scale = lambda sc: None if sc is None else jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)  # noqa: E731
@@ -276,12 +286,16 @@ class Backbone(nnx.Module):
         mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         chex.assert_shape([positions, mask], (B, T))
         if cache is None:
-            key_valid, query_slot, key_slot, write_at = mask, jnp.arange(T), jnp.arange(T), None
-        else:
+            key_valid, query_slot, key_slot, write_at = mask, jnp.arange(T)[None], jnp.arange(T), None
+        elif cache.length.ndim == 0:
             write_at = cache.length
             key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, write_at))
-            query_slot, key_slot = write_at + jnp.arange(T), jnp.arange(cache.slots)
-        allowed = key_valid[:, None, :] & (key_slot[None, :] <= query_slot[:, None])[None]
+            query_slot, key_slot = write_at + jnp.arange(T)[None], jnp.arange(cache.slots)
+        else:  # each row writes at its own slot
+            write_at = cache.length
+            query_slot, key_slot = write_at[:, None] + jnp.arange(T)[None], jnp.arange(cache.slots)
+            key_valid = cache.valid.at[jnp.arange(B)[:, None], query_slot].set(mask, mode="drop")
+        allowed = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[:, :, None])
         if segment_ids is not None:
             if cache is not None:
                 raise ValueError("segment_ids (packed rows) are for training forwards, not a cache")

@@ -21,6 +21,7 @@ from flax import nnx
 
 from opd_jax.errors import OpdJaxError
 from opd_jax.models.decoder import Decoder, KVCache
+from opd_jax.sampling.continuous import generate_continuous
 from opd_jax.sampling.ops import sample_tokens
 from rollout_bridge.records import Rollout, SamplingParams
 
@@ -84,13 +85,17 @@ class Sampler:
 
     max_cache_len bounds prompt + max_new_tokens (default: the model's max_position_embeddings).
     kv_cache_dtype: the KV cache's precision (default: the model's compute dtype; float8_e4m3fn
-    with a scale per token and head). `update_weights` swaps in new parameters of the same shapes
-    without recompiling.
+    with a scale per token and head). slots: decode at most this many requests at once, by
+    continuous batching (`sampling.continuous`: a finished request's slot goes to the next one);
+    None: every request of a call in one static batch. `update_weights` swaps in new parameters
+    of the same shapes without recompiling.
     """
 
     def __init__(self, model: Decoder, *, max_cache_len: int | None = None, pad_id: int = 0,
-                 weight_version: int = 0, kv_cache_dtype: str | None = None):
-        self.kv_cache_dtype = kv_cache_dtype
+                 weight_version: int = 0, kv_cache_dtype: str | None = None, slots: int | None = None):
+        if slots is not None and slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.kv_cache_dtype, self.slots = kv_cache_dtype, slots
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.max_cache_len = max_cache_len or model.config.max_position_embeddings
@@ -145,6 +150,15 @@ class Sampler:
             row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(B))
         else:
             raise ValueError(f"key must be one PRNG key or one per prompt ({B}), got shape {key.shape}")
+        metadata = metadata or [{} for _ in prompts]
+        if self.slots is not None and self.slots < B:
+            done = generate_continuous(self.graphdef, self.state, prompts, per_row, row_keys, slots=self.slots,
+                                       cache_len=width + max_new, prompt_width=width, pad_id=self.pad_id,
+                                       kv_dtype=self.kv_cache_dtype)
+            return [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]), output_ids=tuple(int(t) for t in ids),
+                            output_logprobs=tuple(float(x) for x in logp), finish_reason="stop" if stop else "length",
+                            weight_version=self.weight_version, metadata=dict(metadata[i]), routed_experts=experts)
+                    for i, (ids, logp, stop, experts) in enumerate(done)]
         out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(mask), row_keys,
             jnp.asarray([p.temperature for p in per_row], jnp.float32),
@@ -152,7 +166,6 @@ class Sampler:
             jnp.asarray([p.top_p for p in per_row], jnp.float32), jnp.asarray(stop_ids),
             jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id),
             max_new=max_new, kv_dtype=self.kv_cache_dtype))
-        metadata = metadata or [{} for _ in prompts]
 
         def routed(i: int) -> np.ndarray | None:
             """[prompt + output tokens, MoE layers, k]: the experts each token went through."""

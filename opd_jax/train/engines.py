@@ -110,7 +110,7 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
     servers are asked for the experts of every token (the embedded engine always records them)."""
     if rollout.engine == "embedded":
         sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version,
-                          kv_cache_dtype=rollout.kv_cache_dtype)
+                          kv_cache_dtype=rollout.kv_cache_dtype, slots=rollout.decode_slots)
         return EngineThread(EmbeddedEngine(sampler, seed=seed))
     section = rollout.sglang
     initial = None
