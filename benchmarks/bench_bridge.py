@@ -4,8 +4,9 @@ real sglang-jax server on loopback:
     python benchmarks/bench_bridge.py [--concurrency 64] [--new 32] [--rounds 3]
 
 1. Bridge overhead: the same `concurrency` requests sent straight to `/generate` with httpx and
-   through `SGLangEngine` (plain and streamed), alternating, best of `rounds`; the overhead is
-   bridge time over direct time, minus one.
+   through `SGLangEngine` (plain, streamed one event per token, streamed one per 8 tokens:
+   `rollout.sglang.stream_interval`), alternating, best of `rounds`; the overhead is bridge time
+   over direct time, minus one.
 2. Tokens/s: the embedded JAX sampler and sglang-jax on the same model, batch and lengths.
 3. Time to refit: `update_weights` by restart (sglang-jax has no update_weights_from_disk), from
    the HF export to the first request the new server answers.
@@ -92,17 +93,20 @@ def main() -> None:
         url = group.urls[0]
         plain = SGLangEngine([url], stream=False, max_concurrency=args.concurrency)
         streamed = SGLangEngine([url], stream=True, max_concurrency=args.concurrency)
+        streamed_8 = SGLangEngine([url], stream=True, stream_interval=8, max_concurrency=args.concurrency)
         loop.run(direct(url, batch()))  # warm-up: every shape the server will see
-        times: dict[str, list[float]] = {"direct": [], "bridge_plain": [], "bridge_stream": []}
+        times: dict[str, list[float]] = {"direct": [], "bridge_plain": [], "bridge_stream": [], "bridge_stream_8": []}
         for _ in range(args.rounds):
             times["direct"].append(loop.run(direct(url, batch())))
             times["bridge_plain"].append(loop.run(bridged(plain, batch())))
             times["bridge_stream"].append(loop.run(bridged(streamed, batch())))
+            times["bridge_stream_8"].append(loop.run(bridged(streamed_8, batch())))
         best = {k: min(v) for k, v in times.items()}
         tokens = args.concurrency * args.new
         results.update({f"{k}_s": v for k, v in best.items()})
         results["overhead_plain"] = best["bridge_plain"] / best["direct"] - 1
         results["overhead_stream"] = best["bridge_stream"] / best["direct"] - 1
+        results["overhead_stream_interval_8"] = best["bridge_stream_8"] / best["direct"] - 1
         results["sglang_tokens_per_s"] = tokens / best["direct"]
 
         sampler = Sampler(model, max_cache_len=64 + args.new)
@@ -119,7 +123,7 @@ def main() -> None:
                                                                                      d, NO_EOS))))
         loop.run(bridged(refit, [Request(prompts[0], SamplingParams(max_new_tokens=1), {"n": 1})]))
         results["refit_restart_s"] = time.perf_counter() - began
-        for engine in (plain, streamed, refit):
+        for engine in (plain, streamed, streamed_8, refit):
             loop.run(engine.close())
     finally:
         loop.run(group.close(), timeout=120)

@@ -48,11 +48,11 @@ def sampling_params_body(request: Request, max_new_tokens: int | None = None) ->
 
 
 def generate_body(request: Request, rid: str, *, stream: bool, prefix: tuple[int, ...] = (),
-                  routed_experts: bool = False) -> dict[str, Any]:
+                  routed_experts: bool = False, stream_interval: int = 1) -> dict[str, Any]:
     """`POST /generate` for one request. `prefix`: output tokens already generated (a rollout
     resumed after a refit), appended to the prompt; the budget shrinks by as many tokens.
     `routed_experts`: ask a MoE server for the experts of every token (it must run with
-    --enable-return-routed-experts)."""
+    --enable-return-routed-experts). `stream_interval`: a streamed request's tokens per event."""
     body = {
         "rid": rid,
         "input_ids": [*request.prompt_ids, *prefix],
@@ -63,6 +63,8 @@ def generate_body(request: Request, rid: str, *, stream: bool, prefix: tuple[int
     }
     if routed_experts:
         body["return_routed_experts"] = True
+    if stream and stream_interval > 1:
+        body["sampling_params"]["stream_interval"] = stream_interval
     return body
 
 

@@ -60,13 +60,13 @@ class SGLangEngine:
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_concurrency: int = 256,
                  refit: RefitMode = "auto", refit_dir: str | Path = "refit",
                  interrupted: Literal["resume", "discard"] = "resume", weight_version: int = 0,
-                 routing: api.RoutingLayout | None = None):
+                 routing: api.RoutingLayout | None = None, stream_interval: int = 1):
         self.urls = list(urls) or (servers.urls if servers else [])
         if not self.urls:
             raise EngineError("SGLangEngine needs server URLs or a ServerGroup to launch")
         if refit == "restart" and servers is None:
             raise EngineError("refit='restart' needs servers the bridge launched itself (rollout.sglang.launch)")
-        self.servers, self.stream_responses = servers, stream
+        self.servers, self.stream_responses, self.stream_interval = servers, stream, stream_interval
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.refit, self.refit_dir, self.interrupted = refit, Path(refit_dir), interrupted
         self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
@@ -179,7 +179,7 @@ class SGLangEngine:
                     try:
                         out = await self._attempt(flight, url, api.generate_body(
                             request, flight.rid, stream=self.stream_responses, prefix=prefix_ids,
-                            routed_experts=self.routing is not None))
+                            routed_experts=self.routing is not None, stream_interval=self.stream_interval))
                     except _Retryable as e:
                         interrupted = self._pause_epoch != epoch
                         if flight.partial is not None and flight.partial.output_ids and self.interrupted == "resume":

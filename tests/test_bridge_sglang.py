@@ -56,15 +56,18 @@ def test_generation_logprobs_equal_the_trainers_recomputation(engine):
 
 
 def test_streamed_and_plain_greedy_outputs_agree(server):
+    """Plain, streamed token by token, and streamed 4 tokens per event (the last event short):
+    the same tokens and the trainer's log-probs."""
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
     outputs = {}
-    for stream in (True, False):
-        thread = EngineThread(SGLangEngine([server], stream=stream))
-        outputs[stream] = thread.generate([Request(p, params) for p in PROMPTS[:4]])
+    for stream, interval in ((False, 1), (True, 1), (True, 4)):
+        thread = EngineThread(SGLangEngine([server], stream=stream, stream_interval=interval))
+        outputs[stream, interval] = thread.generate([Request(p, params) for p in PROMPTS[:4]])
         thread.close()
-    for a, b in zip(outputs[True], outputs[False]):
-        assert a.output_ids == b.output_ids
-        assert_matches_trainer(a, 1.0)
+    for a, b, c in zip(outputs[False, 1], outputs[True, 1], outputs[True, 4]):
+        assert a.output_ids == b.output_ids == c.output_ids
+        for x in (a, b, c):
+            assert_matches_trainer(x, 1.0)
 
 
 def test_stop_token_ends_the_rollout_and_is_kept(engine):

@@ -66,6 +66,13 @@ def test_resumed_request_continues_within_its_budget():
     assert body["sampling_params"]["top_k"] == -1 and body["sampling_params"]["no_stop_trim"] is True
 
 
+def test_stream_interval_is_asked_for_only_on_streamed_requests():
+    request = Request((1, 2), SamplingParams(max_new_tokens=4))
+    assert api.generate_body(request, "r", stream=True, stream_interval=8)["sampling_params"]["stream_interval"] == 8
+    assert "stream_interval" not in api.generate_body(request, "r", stream=False, stream_interval=8)["sampling_params"]
+    assert "stream_interval" not in api.generate_body(request, "r", stream=True)["sampling_params"]
+
+
 def test_routed_experts_are_asked_for_only_when_replaying():
     request = Request((1, 2), SamplingParams(max_new_tokens=4))
     assert "return_routed_experts" not in api.generate_body(request, "r", stream=True)

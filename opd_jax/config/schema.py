@@ -138,6 +138,8 @@ class SGLangSection(SGLangClientSection):
     """Running servers, or one sglang-router URL (exclusive with launch)."""
     stream: bool = True
     """Stream responses (SSE) instead of waiting for whole ones."""
+    stream_interval: int = Field(8, gt=0)
+    """Streamed responses: one event per this many tokens (SGLang's per-request stream_interval): fewer events to parse; a rollout cut by a refit or crash resumes from its last event."""  # noqa: E501
     refit: Literal["auto", "disk", "restart"] = "auto"
     """New weights by pause → flush_cache → update_weights_from_disk → continue (disk), by relaunching the servers (restart), or disk where the server has the endpoint (auto)."""  # noqa: E501
 

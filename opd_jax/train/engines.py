@@ -122,7 +122,8 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
         check_server_flags(section.launch.command, flags)
     thread = sglang_engine(section, section.urls, model_dir=initial, log_dir=refit_dir.parent / "sglang_logs",
                            server_flags=flags,
-                           stream=section.stream, refit=section.refit, refit_dir=refit_dir,
+                           stream=section.stream, stream_interval=section.stream_interval, refit=section.refit,
+                           refit_dir=refit_dir,
                            interrupted=rollout.interrupted, weight_version=update.version,
                            routing=routing)
     try:
