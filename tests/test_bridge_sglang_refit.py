@@ -116,9 +116,13 @@ def test_episodes_go_on_through_a_refit_and_a_crash_mid_episode(launched):
             time.sleep(0.02)
         raise AssertionError(f"no turn in flight after {completed} completed turns")
 
+    # the server serves seed 0's weights, or seed 1's if the refit test ran first; the refit here
+    # brings seed 2's
+    served = httpx.get(group.urls[0] + "/get_model_info").json()["model_path"]
+    before, after = (NEW if served.endswith("/v1") else OLD), tiny_model(2)
     future = loop.submit(episodes())
     in_flight_after(4)  # the first round done, the second streaming
-    loop.run(engine.update_weights(WeightUpdate(1, save_hf=lambda d: save_tiny(d, 1))), timeout=600)
+    loop.run(engine.update_weights(WeightUpdate(1, save_hf=lambda d: save_tiny(d, 2))), timeout=600)
     crashes = group.crashes()
     in_flight_after(12)  # the third round streaming on the new weights
     group.kill(group.urls[0])
@@ -129,8 +133,8 @@ def test_episodes_go_on_through_a_refit_and_a_crash_mid_episode(launched):
         assert list(t.weight_versions) == sorted(t.weight_versions) and set(t.weight_versions) == {0, 1}
         mask = np.asarray(t.model_mask, bool)
         served = np.asarray(t.logprobs)[mask]
-        old = trainer_logprobs(OLD, t.prompt_ids, t.response_ids, 1.0)[mask]
-        new = trainer_logprobs(NEW, t.prompt_ids, t.response_ids, 1.0)[mask]
+        old = trainer_logprobs(before, t.prompt_ids, t.response_ids, 1.0)[mask]
+        new = trainer_logprobs(after, t.prompt_ids, t.response_ids, 1.0)[mask]
         by_old, by_new = np.abs(served - old) < 1e-4, np.abs(served - new) < 1e-4
         split = int(np.argmin(by_old)) if not by_old.all() else len(served)
         assert 0 < split < len(served) and by_old[:split].all() and by_new[split:].all()
