@@ -137,3 +137,20 @@ def test_packed_opd_and_sft_steps_equal_padded_ones():
     (a, ma), (b, mb) = (jax.jit(sft_step)(sft, x) for x in (padded, pack_batch(padded, groups=1)))
     np.testing.assert_allclose(mb["sft/loss"], ma["sft/loss"], rtol=1e-5)
     assert_updates_close(b.params, a.params, sft.params)
+
+
+def test_auto_packs_a_batch_only_when_that_saves_rows():
+    """update.pack="auto" (the default): a ragged batch is packed (fewer rows); a batch whose
+    trajectories all fill their rows stays padded (packing would save nothing); False never packs,
+    True always does; the groups keep the step's mini- x micro-batches and the data shards whole."""
+    from opd_jax.train.batching import packed_for, packed_rows
+
+    ragged = rollout_batch(3, B=16, T=12)
+    full = ragged.replace(attention_mask=jnp.ones_like(ragged.attention_mask))
+    update = UpdateConfig(minibatches=2)
+    auto = packed_for(ragged, update, shards=2)
+    assert auto.packing is not None and auto.packing[0] == 16 // 2 and packed_rows(auto) < 16
+    assert packed_for(full, update, shards=2).packing is None
+    assert packed_for(ragged, dataclasses.replace(update, pack=False), shards=2).packing is None
+    forced = packed_for(full, dataclasses.replace(update, pack=True), shards=4)
+    assert forced.packing[0] == 16 // 4 and packed_rows(forced) == 16

@@ -340,9 +340,9 @@ class SFTSection(Section):
     router_balance_coef: float = Field(0.01, ge=0)
     """MoE policies: weight of the routers' load-balancing loss (as pre-training uses; without it a
     fresh MoE sends nearly every token to the same experts). No effect on dense models."""
-    pack: bool = False
-    """Train on packed rows (demonstrations end to end, attention kept within each; see
-    algorithm.ppo.update.pack)."""
+    pack: bool | Literal["auto"] = "auto"
+    """Train on packed rows (demonstrations end to end, attention kept within each; auto: when
+    that takes fewer rows than padding; see algorithm.ppo.update.pack)."""
 
 
 class CheckpointSection(Section):

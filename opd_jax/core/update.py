@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +39,11 @@ class UpdateConfig:
     """Slices each mini-batch's gradient is accumulated over (same update, less memory)."""
     layer_unroll: int | bool = True
     """Layers per scan iteration in training (true: all; faster steps, slower compile)."""
-    pack: bool = False
+    pack: bool | Literal["auto"] = "auto"
     """Run the forwards (scoring and the step) on packed rows: trajectories laid end to end,
     attention kept within each, so compute goes to tokens instead of padding. The same numbers
-    as padded rows, up to float rounding; each new packed shape compiles once."""
+    as padded rows, up to float rounding; each new packed shape compiles once (at most 8 per
+    batch length). auto: pack a batch when that takes fewer rows than padding it."""
     pack_row_tokens: int | None = None
     """Tokens per packed row (default: the batch's padded length, its longest trajectory)."""
 

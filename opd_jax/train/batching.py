@@ -135,8 +135,18 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], rewards: np.ndarray, *, pad_i
 
 
 def packed_for(batch: RolloutBatch, update: UpdateConfig, shards: int) -> RolloutBatch:
-    """The batch with a packing plan when `update.pack` is on (`core.packing`): in groups that
-    every split of the step keeps whole (the mesh's data shards, mini- and micro-batches)."""
-    if not update.pack:
+    """The batch with a packing plan (`core.packing`) as `update.pack` says (True, False, or
+    "auto": when the plan needs fewer rows than the padded batch has), in groups that every split
+    of the step keeps whole (the mesh's data shards, mini- and micro-batches)."""
+    if update.pack is False:
         return batch
-    return pack_batch(batch, math.lcm(shards, update.minibatches * update.microbatches), update.pack_row_tokens)
+    packed = pack_batch(batch, math.lcm(shards, update.minibatches * update.microbatches), update.pack_row_tokens)
+    if update.pack == "auto" and packed_rows(packed) >= batch.tokens.shape[0]:
+        return batch  # packing would save no rows, only add its gathers (and a compile)
+    return packed
+
+
+def packed_rows(batch: RolloutBatch) -> int:
+    """Rows the forwards of a packed batch run on."""
+    per_group, rows_per_group, _ = batch.packing
+    return batch.tokens.shape[0] // per_group * rows_per_group

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from opd_jax.config import EpisodeSection, TrainConfig
-from opd_jax.core import RolloutBatch, make_optimizer
-from opd_jax.core.packing import pack_batch
+from opd_jax.core import RolloutBatch, UpdateConfig, make_optimizer
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
@@ -20,7 +19,7 @@ from opd_jax.envs.episodes import demonstration
 from opd_jax.models import Decoder, Tokenizer
 from opd_jax.parallel import batch_shardings, batch_shards, make_mesh, shard, sharded_step, tree_shardings
 from opd_jax.train import signals
-from opd_jax.train.batching import pad_rows
+from opd_jax.train.batching import packed_for, pad_rows
 from opd_jax.train.build import encode_prompt, stop_ids
 from opd_jax.train.console import progress, restart_clock
 from opd_jax.train.episodes import episode_limits
@@ -76,8 +75,7 @@ def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_p
             batch = demonstration_batch(take(prompts, config.sft.batch_size), tokenizer, policy,
                                         config.data.chat_template, config.rollout.episodes,
                                         config.rollout.max_new_tokens)
-            if config.sft.pack:
-                batch = pack_batch(batch, batch_shards(mesh))
+            batch = packed_for(batch, UpdateConfig(pack=config.sft.pack), batch_shards(mesh))
             if step is None:
                 bar.set_postfix_str("compiling the step")
                 step = sharded_step(functools.partial(sft_step, router_balance_coef=config.sft.router_balance_coef),
