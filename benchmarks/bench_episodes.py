@@ -1,11 +1,14 @@
 """Multi-turn episode throughput of each engine, side by side on the same work: `opd-jax train` on
-one built-in environment with the embedded engine and with a launched sglang-jax server (f32,
-the same policy: a fresh quickstart-sized model with head_dim 128, which sglang-jax's CPU
-attention needs), the same seeds and settings. Episodes per second and model tokens per second
+one built-in environment with the embedded engine (static: the episodes' turns in rounds, one
+batch per round; continuous: rollout.decode_slots=32, each turn joins the decode batch as soon as
+its episode sends it) and with a launched sglang-jax server (f32, the same policy: a fresh
+quickstart-sized model with head_dim 128, which sglang-jax's CPU attention needs), the same seeds
+and settings. Episodes per second and model tokens per second
 are the step's episodes and generated tokens over its rollout wait (generation only; the server's
 refit-by-restart is timed apart), per step after the first (which compiles), median over steps.
 
-usage: python benchmarks/bench_episodes.py [--envs search calculator gridworld] [--steps 4] [--out DIR]
+usage: python benchmarks/bench_episodes.py [--envs search calculator gridworld] [--engines embedded continuous sglang]
+                                          [--steps 4] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ ENVS = {"search": "{hi: 15, max_guesses: 6}", "calculator": "{max_calls: 6}", "g
 def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:
     run_dir = out / f"{env}-{engine}"
     config = ROOT / "configs" / "quickstart.yaml"
+    if engine == "continuous":
+        extra = ["rollout.decode_slots=32", *extra]
     if engine == "sglang":
         data = yaml.safe_load(config.read_text())
         data["rollout"].update({"engine": "sglang", "sglang": {"launch": {
@@ -59,6 +64,8 @@ def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
+    parser.add_argument("--engines", nargs="+", default=["embedded", "continuous", "sglang"],
+                        choices=["embedded", "continuous", "sglang"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_episodes")
     parser.add_argument("overrides", nargs="*")
@@ -66,18 +73,17 @@ def main() -> None:
     if args.out.exists():
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
-    results = {env: {engine: run(args.out, env, engine, args.steps, args.overrides) for engine in ("embedded", "sglang")}
+    results = {env: {engine: run(args.out, env, engine, args.steps, args.overrides) for engine in args.engines}
                for env in args.envs}
     print(f"\nepisode throughput, {machine()}, 32 episodes per step (8 instances x 4 samples), median over steps "
           f"2..{args.steps}; a random policy, so episodes run to their budgets\n")
-    print("| environment | turns / tokens per episode | embedded: episodes/s, model tokens/s "
-          "| sglang-jax: episodes/s, model tokens/s | sglang-jax / embedded |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| environment | engine | turns / tokens per episode | episodes/s | model tokens/s | vs embedded (static) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for env, r in results.items():
-        e, s = r["embedded"], r["sglang"]
-        print(f"| {env} | {e['turns_per_episode']:.1f} / {e['tokens_per_episode']:.0f} | {e['episodes_per_s']:.2f}, "
-              f"{e['model_tokens_per_s']:.0f} | {s['episodes_per_s']:.2f}, {s['model_tokens_per_s']:.0f} "
-              f"| {s['episodes_per_s'] / e['episodes_per_s']:.2f}x |")
+        for engine, e in r.items():
+            ratio = e["episodes_per_s"] / r["embedded"]["episodes_per_s"] if "embedded" in r else float("nan")
+            print(f"| {env} | {engine} | {e['turns_per_episode']:.1f} / {e['tokens_per_episode']:.0f} | "
+                  f"{e['episodes_per_s']:.2f} | {e['model_tokens_per_s']:.0f} | {ratio:.2f}x |")
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -108,3 +110,66 @@ def test_a_group_with_a_failure_is_replaced(engine):
     finally:
         flaky.stop_loop()
     assert [g[0].metadata["group"] for g in groups] == [2, 3] and len(drawn) == 3
+
+
+@pytest.fixture
+def continuous():
+    thread = EngineThread(EmbeddedEngine(Sampler(Decoder(TINY, rngs=nnx.Rngs(0)), max_cache_len=64, slots=2), seed=3))
+    yield thread
+    thread.close()
+
+
+def test_a_continuous_engine_shares_its_slots_across_stream_calls(continuous, engine):
+    """Two decode slots, three stream calls started one after another: a long request of the
+    first call, then short ones. The short ones take the free slot and finish while the long one
+    decodes (they end first), and each request's tokens and log-probs are those of the static
+    engine with the same seed."""
+    long = SamplingParams(max_new_tokens=40, temperature=1.0)
+    calls = [[Request((5, 6, 7), long, seed=1)], [Request((8, 9), PARAMS, seed=2)], [Request((4,), PARAMS, seed=3)]]
+
+    async def all_calls():
+        finished = []
+
+        async def one(requests):
+            async for completion in continuous.engine.stream(requests):
+                finished.append(completion)
+        await asyncio.gather(*(one(c) for c in calls))
+        return finished
+
+    finished = continuous.run(all_calls())
+    assert [c.request_id for c in finished][-1] == calls[0][0].request_id
+    assert len(finished[0].output_ids) == 6 and len(finished[-1].output_ids) == 40
+    for completion in finished:
+        request = next(r for c in calls for r in c if r.request_id == completion.request_id)
+        (alone,) = engine.generate([request])
+        assert completion.output_ids == alone.output_ids
+        np.testing.assert_allclose(completion.output_logprobs, alone.output_logprobs, atol=1e-4)
+
+
+def test_a_continuous_engine_refits_between_requests_and_pauses_admission(continuous):
+    """A weight update waits for the request decoding (it keeps its version) while requests sent
+    after it wait for the new weights; a paused engine admits nothing until resumed; an aborted
+    queued request comes back aborted."""
+    engine = continuous.engine
+
+    async def scenario():
+        first = asyncio.ensure_future(anext(aiter(engine.stream([Request((5, 6, 7), SamplingParams(max_new_tokens=30))]))))
+        await asyncio.sleep(0)  # the first request is queued and its driver started
+        refit = asyncio.ensure_future(engine.update_weights(WeightUpdate(7, model=lambda: Decoder(TINY, rngs=nnx.Rngs(1)))))
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(anext(aiter(engine.stream([Request((5, 6, 7), PARAMS)]))))
+        old, new = await first, await later
+        await refit
+        await engine.pause()
+        held, dropped = Request((1, 2), PARAMS), Request((3, 4), PARAMS)
+        waiting = asyncio.ensure_future(anext(aiter(engine.stream([held]))))
+        gone = asyncio.ensure_future(anext(aiter(engine.stream([dropped]))))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await engine.abort([dropped.request_id])
+        await engine.resume()
+        return old, new, await waiting, await gone
+
+    old, new, resumed, aborted = continuous.run(scenario())
+    assert old.weight_version == 0 and new.weight_version == 7 and resumed.weight_version == 7
+    assert len(resumed.output_ids) == 6 and aborted.finish_reason == "abort" and aborted.output_ids == ()

@@ -5,6 +5,7 @@ environments and their experts."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import os
@@ -200,6 +201,44 @@ def test_the_engines_tokens_reach_the_trajectory_unchanged_over_many_turns(engin
                 assert TOKENIZER.decode(list(observation), skip_special_tokens=True).startswith("at ")
         np.testing.assert_array_equal(covered[len(t.prompt_ids):], np.asarray(t.model_mask, bool))
     assert len(recording.completions) == 4 * 6
+
+
+class Timeline:
+    """A continuous engine as the episodes see it, logging (kind, episode, turn) as each stream
+    call starts and ends, and each call's size."""
+
+    def __init__(self, engine):
+        self.engine, self.events, self.sizes, self.turn = engine, [], [], collections.Counter()
+        self.batches_continuously = engine.batches_continuously
+
+    async def stream(self, requests):
+        self.sizes.append(len(requests))
+        episode = requests[0].metadata["i"]
+        turn = self.turn[episode]
+        self.turn[episode] += 1
+        self.events.append(("start", episode, turn))
+        async for completion in self.engine.stream(requests):
+            yield completion
+        self.events.append(("end", episode, turn))
+
+
+def test_a_continuous_engine_takes_each_turn_as_it_comes_and_plays_the_same_episodes(engine):
+    """Gridworld episodes through the embedded engine with 3 decode slots for 5 episodes: each
+    turn goes to the engine on its own as soon as its episode sends it, so some episode starts
+    turn k+1 while another's turn k still decodes (no rounds); the episodes are the ones the
+    round-based static engine plays (same tokens, log-probs to float rounding)."""
+    loop, static = engine
+    model = nnx.merge(static.sampler.graphdef, static.sampler.state)
+    timeline = Timeline(EmbeddedEngine(Sampler(model, max_cache_len=512, pad_id=0, slots=3), seed=1))
+    factories = [functools.partial(GridworldEnv, s, max_moves=30) for s in range(5)]
+    rounds, together = play(loop, static, factories), play(loop, timeline, factories)
+    for a, b in zip(rounds, together, strict=True):
+        assert a.response_ids == b.response_ids and a.turns == b.turns
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+    assert set(timeline.sizes) == {1} and len(timeline.sizes) == sum(t.turns for t in together)
+    at = {event: k for k, event in enumerate(timeline.events)}
+    assert any(at[("start", i, k + 1)] < at[("end", j, k)] for (kind, i, k) in at if kind == "start"
+               for j in range(5) if j != i and ("start", i, k + 1) in at and ("end", j, k) in at)
 
 
 def test_a_broken_environment_fails_its_own_episode_and_the_others_go_on(engine):

@@ -169,6 +169,30 @@ def test_sampling_frequencies_follow_the_truncated_distribution():
     np.testing.assert_allclose(np.asarray(logprobs), logits[np.asarray(tokens)], atol=1e-6)
 
 
+def test_the_inverse_cdf_draw_follows_softmax_and_never_draws_a_masked_token():
+    """draw (one uniform per row) against the softmax probabilities by a chi-square test, with
+    masked tokens (-inf) first, inside and last in the row: they are never drawn, and a row with
+    one unmasked token always draws it."""
+    from scipy import stats
+
+    from opd_jax.sampling.ops import draw
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=12).astype(np.float32) * 1.5
+    logits[[0, 5, 11]] = -np.inf
+    n = 40000
+    tokens = np.asarray(draw(jax.random.split(jax.random.key(1), n), jnp.tile(jnp.asarray(logits), (n, 1))))
+    probs = np.exp(np.float64(logits) - logits.max())
+    probs /= probs.sum()
+    counts = np.bincount(tokens, minlength=12)
+    assert counts[[0, 5, 11]].sum() == 0
+    live = probs > 0
+    assert stats.chisquare(counts[live], probs[live] * n).pvalue > 1e-3
+    one = np.full((4, 12), -np.inf, np.float32)
+    one[np.arange(4), [0, 3, 7, 11]] = 0.0
+    np.testing.assert_array_equal(draw(jax.random.split(jax.random.key(2), 4), jnp.asarray(one)), [0, 3, 7, 11])
+
+
 @settings(max_examples=60, deadline=None)
 @given(logits=hnp.arrays(np.float32, (3, 17), elements=st.floats(-8, 8, width=32)),
        top_k=st.integers(0, 20), top_p=st.floats(0.05, 1.0))

@@ -212,7 +212,7 @@ class RolloutSection(Section):
     kv_cache_dtype: Literal["bfloat16", "float8_e4m3fn"] | None = None
     """The engine's KV cache precision; unset: rollout.dtype. float8_e4m3fn keeps one scale per token and head."""
     decode_slots: int | None = Field(None, gt=0)
-    """Embedded engine: decode at most this many requests at once by continuous batching (a finished one's slot goes to the next); unset: each batch of requests decodes together."""  # noqa: E501
+    """Embedded engine: decode at most this many requests at once by continuous batching (a finished one's slot goes to the next, also across calls: an episode's next turn joins as soon as it is ready); unset: each batch of requests (episodes: each round of turns) decodes together."""  # noqa: E501
     truncated: Literal["keep", "mask", "penalize"] = "keep"
     """A response cut at max_new_tokens: trained on as is, masked out of the loss, or given truncation_penalty as reward."""  # noqa: E501
     truncation_penalty: float = 0.0

@@ -43,7 +43,11 @@ class TurnBatcher:
     a round's turns go out together once every running episode is waiting on the engine, sorted
     by their seeds. So batches are the same from run to run (what an exact resume needs), and a
     slow environment holds its round (up to its timeout). `expect(n)` counts n episodes as
-    running before their tasks start, so episodes started together share their first round."""
+    running before their tasks start, so episodes started together share their first round.
+
+    An engine that batches continuously (`engine.batches_continuously`: the embedded engine with
+    decode slots) gets each turn as soon as its episode sends it: the engine fits it into its
+    running batch, and its numbers do not depend on when it arrived, so no round is needed."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -66,6 +70,8 @@ class TurnBatcher:
         self._maybe_flush()
 
     async def generate(self, request: Request) -> Completion:
+        if getattr(self.engine, "batches_continuously", False):
+            return await self._serve_one(request)
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((request, future))
         self._busy -= 1
@@ -80,6 +86,15 @@ class TurnBatcher:
             batch = sorted(self._waiting, key=lambda w: (w[0].seed or 0, w[0].prompt_ids))
             self._waiting = []
             asyncio.get_running_loop().create_task(self._serve(batch))
+
+    async def _serve_one(self, request: Request) -> Completion:
+        got: Completion | None = None
+        try:
+            async for completion in self.engine.stream([request]):
+                got = completion
+        except Exception as e:  # the engine broke: this turn fails, the episode ends "failed"
+            return Failure(request, f"{type(e).__name__}: {e}")
+        return got if got is not None else Failure(request, "the engine returned no completion for this turn")
 
     async def _serve(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
         futures = {r.request_id: f for r, f in batch}

@@ -133,60 +133,140 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, pad_id: jax.
     return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots, jnp.zeros((), bool)))[1]
 
 
+def _grow(slots: Slots, *, max_new: int, n_stop: int) -> Slots:
+    """The slots with longer output buffers or stop lists (padded: no outputs, no stop ids), so a
+    request with a larger budget joins without a restart. The cache keeps its length: a longer
+    one would change the rounding of attention for requests already decoding."""
+    def pad(x, axis, to, fill=0):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, to - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=fill)
+
+    return slots.replace(tokens=pad(slots.tokens, 1, max_new), logprobs=pad(slots.logprobs, 1, max_new),
+                         stop_ids=pad(slots.stop_ids, 1, n_stop, -1),
+                         routing=None if slots.routing is None else pad(slots.routing, 1, max_new, -1))
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def generate_continuous(graphdef: nnx.GraphDef, state: nnx.State, prompts: Sequence[Sequence[int]],
-                        params: Sequence[Any], row_keys: jax.Array, *, slots: int, cache_len: int, prompt_width: int,
-                        pad_id: int, kv_dtype: Any = None, chunk: int = 16) -> list[tuple[np.ndarray, np.ndarray, bool,
-                                                                                  np.ndarray | None]]:
-    """Every request through `slots` decode slots, admitted in order as slots free up. Returns per
-    request (tokens, log-probs, stopped at a stop id, experts of prompt + output tokens or None).
-    prompt_width: the left-padded width of every prefill (≥ the longest prompt)."""
-    model: Decoder = nnx.merge(graphdef, state)
-    n = len(prompts)
-    max_new = max(p.max_new_tokens for p in params)
-    n_stop = _bucket(max(len(p.stop_token_ids) for p in params) or 1, minimum=4)
-    slot_state = empty_slots(model, slots, cache_len, max_new, n_stop, kv_dtype or model.backbone.compute_dtype)
-    waiting = collections.deque(range(n))
-    owner: list[int | None] = [None] * slots
-    prompt_routing: dict[int, np.ndarray] = {}
-    results: list[Any] = [None] * n
-    while waiting or any(o is not None for o in owner):
-        free = [s for s in range(slots) if owner[s] is None]
-        if free and waiting:
-            take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-            width = _bucket(len(take))  # a few compiled prefill shapes
-            tokens = np.full((width, prompt_width), pad_id, np.int32)
-            mask = np.zeros((width, prompt_width), bool)
-            stops = np.full((width, n_stop), -1, np.int32)
-            where = np.full(width, slots, np.int32)  # past the last slot: dropped
-            keys = jnp.concatenate([row_keys[np.asarray(take)], row_keys[np.zeros(width - len(take), int)]])
-            for j, r in enumerate(take):
-                tokens[j, prompt_width - len(prompts[r]):] = prompts[r]
-                mask[j, prompt_width - len(prompts[r]):] = True
-                stops[j, :len(params[r].stop_token_ids)] = params[r].stop_token_ids
-                where[j], owner[free[j]] = free[j], r
-            mask[len(take):, -1] = True  # padding rows: one real token, so nothing is fully masked
-            field = lambda name, dtype: jnp.asarray([getattr(params[r], name) for r in take]  # noqa: E731
-                                                    + [getattr(params[take[0]], name)] * (width - len(take)), dtype)
-            slot_state, routed = _admit(graphdef, state, slot_state, jnp.asarray(where), jnp.asarray(tokens),
-                                        jnp.asarray(mask), keys, field("temperature", jnp.float32),
-                                        field("top_k", jnp.int32), field("top_p", jnp.float32), jnp.asarray(stops),
-                                        field("max_new_tokens", jnp.int32))
-            if routed is not None:
-                routed = np.asarray(routed)
-                for j, r in enumerate(take):
-                    prompt_routing[r] = routed[j, prompt_width - len(prompts[r]):]
-        slot_state = _decode(graphdef, state, slot_state, jnp.int32(pad_id), jnp.asarray(bool(waiting)), chunk=chunk)
-        done, step = jax.device_get((slot_state.done, slot_state.step))
-        finished = [s for s in range(slots) if owner[s] is not None and done[s]]
+Result = tuple[np.ndarray, np.ndarray, bool, "np.ndarray | None"]  # tokens, log-probs, stopped, experts
+
+
+class DecodeSlots:
+    """Continuous batching on the host: `submit` queues a request (any time, also while others
+    decode), `step` admits waiting requests into free slots (in submission order), runs one decode
+    chunk and returns the requests that finished, each as (ticket, (tokens, log-probs, stopped at
+    a stop id, experts of prompt + output tokens or None)). Each slot's cache holds `cache_len`
+    tokens (a request needs prompt + max_new_tokens of them); the output buffers and stop lists
+    grow (to powers of two) when a request needs more, so the compiled shapes stay few.
+    open_queue: requests keep arriving while others decode (an engine serving stream calls as
+    they come, e.g. the next turns of episodes). Then a chunk returns as soon as one request
+    finishes, so its sender can send the next one, and each request is prefilled alone, padded to
+    its own length bucket, so its numbers do not depend on what arrived with it (runs replay
+    exactly). Otherwise (every request known up front) a chunk returns early only when a request
+    waits for a slot, and requests admitted together share one prefill."""
+
+    def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, *, slots: int, cache_len: int, pad_id: int,
+                 kv_dtype: Any = None, chunk: int = 16, max_new: int = 1, n_stop: int = 4, open_queue: bool = False):
+        self.graphdef, self.state, self.pad_id, self.chunk = graphdef, state, pad_id, chunk
+        self.open_queue = open_queue
+        model: Decoder = nnx.merge(graphdef, state)
+        self._slots = empty_slots(model, slots, cache_len, _bucket(max_new), _bucket(n_stop, 4),
+                                  kv_dtype or model.backbone.compute_dtype)
+        self._waiting: collections.deque = collections.deque()
+        self._owner: list[Any] = [None] * slots
+        self._prompt_routing: dict[int, np.ndarray] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting) or any(o is not None for o in self._owner)
+
+    def submit(self, ticket: Any, prompt: Sequence[int], params: Any, key: jax.Array) -> None:
+        if len(prompt) + params.max_new_tokens > self._slots.cache.slots:
+            raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens={params.max_new_tokens} does not "
+                             f"fit a decode slot of {self._slots.cache.slots}")
+        self._waiting.append((ticket, list(prompt), params, key))
+
+    def _fit(self, max_new: int, n_stop: int) -> None:
+        s = self._slots
+        want = max(s.tokens.shape[1], _bucket(max_new)), max(s.stop_ids.shape[1], _bucket(n_stop, 4))
+        if want != (s.tokens.shape[1], s.stop_ids.shape[1]):
+            self._slots = _grow(s, max_new=want[0], n_stop=want[1])
+
+    def _admit(self) -> None:
+        free = [s for s, o in enumerate(self._owner) if o is None]
+        n = min(len(free), len(self._waiting))
+        if self.open_queue:
+            for _ in range(n):
+                self._prefill([self._waiting.popleft()], free[:1])
+                free = free[1:]
+        elif n:
+            self._prefill([self._waiting.popleft() for _ in range(n)], free)
+
+    def _prefill(self, take: list, free: list[int]) -> None:
+        width = _bucket(len(take))  # a few compiled prefill shapes
+        longest, max_new = max(len(p) for _, p, _, _ in take), max(q.max_new_tokens for _, _, q, _ in take)
+        # the prefill fills prompt_width cache slots, then each request writes its outputs after them
+        prompt_width = max(longest, min(_bucket(longest, 16), self._slots.cache.slots - max_new))
+        self._fit(max_new, max(len(q.stop_token_ids) for _, _, q, _ in take))
+        n_stop = self._slots.stop_ids.shape[1]
+        tokens = np.full((width, prompt_width), self.pad_id, np.int32)
+        mask = np.zeros((width, prompt_width), bool)
+        stops = np.full((width, n_stop), -1, np.int32)
+        where = np.full(width, len(self._owner), np.int32)  # past the last slot: dropped
+        keys = jnp.stack([k for _, _, _, k in take] + [take[0][3]] * (width - len(take)))
+        for j, (ticket, prompt, params, _) in enumerate(take):
+            tokens[j, prompt_width - len(prompt):] = prompt
+            mask[j, prompt_width - len(prompt):] = True
+            stops[j, :len(params.stop_token_ids)] = params.stop_token_ids
+            where[j], self._owner[free[j]] = free[j], ticket
+        mask[len(take):, -1] = True  # padding rows: one real token, so nothing is fully masked
+        field = lambda name, dtype: jnp.asarray([getattr(t[2], name) for t in take]  # noqa: E731
+                                                + [getattr(take[0][2], name)] * (width - len(take)), dtype)
+        self._slots, routed = _admit(self.graphdef, self.state, self._slots, jnp.asarray(where), jnp.asarray(tokens),
+                                     jnp.asarray(mask), keys, field("temperature", jnp.float32), field("top_k", jnp.int32),
+                                     field("top_p", jnp.float32), jnp.asarray(stops), field("max_new_tokens", jnp.int32))
+        if routed is not None:
+            routed = np.asarray(routed)
+            for j, (_, prompt, _, _) in enumerate(take):
+                self._prompt_routing[free[j]] = routed[j, prompt_width - len(prompt):]
+
+    def step(self) -> list[tuple[Any, Result]]:
+        """Admit what waits into free slots (in the order it came), decode one chunk, return what
+        finished."""
+        self._admit()
+        if not any(o is not None for o in self._owner):
+            return []
+        self._slots = _decode(self.graphdef, self.state, self._slots, jnp.int32(self.pad_id),
+                              jnp.asarray(self.open_queue or bool(self._waiting)), chunk=self.chunk)
+        done, step = jax.device_get((self._slots.done, self._slots.step))
+        finished = [s for s, o in enumerate(self._owner) if o is not None and done[s]]
+        out = []
         if finished:
-            got = jax.device_get((slot_state.tokens, slot_state.logprobs, slot_state.stopped, slot_state.routing))
+            s_ = self._slots
+            got = jax.device_get((s_.tokens, s_.logprobs, s_.stopped, s_.routing))
             for s in finished:
-                r, length = owner[s], int(step[s])
-                experts = None if got[3] is None else np.concatenate([prompt_routing.pop(r), got[3][s, :length]])
-                results[r] = (got[0][s, :length], got[1][s, :length], bool(got[2][s]), experts)
-                owner[s] = None
+                n = int(step[s])
+                experts = None if got[3] is None else np.concatenate([self._prompt_routing.pop(s), got[3][s, :n]])
+                out.append((self._owner[s], (got[0][s, :n], got[1][s, :n], bool(got[2][s]), experts)))
+                self._owner[s] = None
+        return out
+
+
+def generate_continuous(graphdef: nnx.GraphDef, state: nnx.State, prompts: Sequence[Sequence[int]],
+                        params: Sequence[Any], row_keys: jax.Array, *, slots: int, cache_len: int, pad_id: int,
+                        kv_dtype: Any = None, chunk: int = 16) -> list[Result]:
+    """Every request through `slots` decode slots (`DecodeSlots`), admitted in order as slots free
+    up; the results in the order of the requests."""
+    decoding = DecodeSlots(graphdef, state, slots=slots, cache_len=cache_len, pad_id=pad_id, kv_dtype=kv_dtype,
+                           chunk=chunk, max_new=max(q.max_new_tokens for q in params),
+                           n_stop=max(len(q.stop_token_ids) for q in params) or 1)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        decoding.submit(i, prompt, p, row_keys[i])
+    results: list[Any] = [None] * len(prompts)
+    while decoding.busy:
+        for i, result in decoding.step():
+            results[i] = result
     return results

@@ -1,10 +1,18 @@
 """The embedded JAX sampler behind rollout_bridge's engine protocol, so the training loop drives
 it exactly as it drives SGLang servers.
 
-Each `stream()` call is one batched `Sampler.generate`, run in a worker thread so the event loop
-(and the trainer) are not blocked. A request with a `seed` draws from key(seed), so its sample
-does not depend on what it is batched with; otherwise from fold_in(key(engine seed), counter).
-An abort or pause takes effect between batches: a batch in flight finishes.
+Without decode slots, each `stream()` call is one batched `Sampler.generate`, run in a worker
+thread so the event loop (and the trainer) are not blocked. With them (`Sampler(slots=)`,
+rollout.decode_slots) the engine batches continuously across calls: every stream call's requests
+join one queue, and a driver task feeds them into the slots at each decode chunk
+(`DecodeSlots`), so the next turn of a multi-turn episode starts as soon as its environment has
+answered instead of waiting for the other episodes' turns. Each request is prefilled alone, so
+its numbers do not depend on when it arrived.
+
+A request with a `seed` draws from key(seed), so its sample does not depend on what it is batched
+with; otherwise from fold_in(key(engine seed), counter). An abort or pause takes effect between
+batches (continuously: before a request is admitted); what is decoding finishes. A weight update
+waits until nothing decodes, and requests that arrive meanwhile wait for the new weights.
 """
 
 from __future__ import annotations
@@ -54,6 +62,14 @@ class EmbeddedEngine:
         self._aborted: set[str] = set()
         self._running: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
+        self._queue: list[tuple[Request, jax.Array, asyncio.Future]] = []  # continuous: waiting for a slot
+        self._driver: asyncio.Task | None = None
+        self._refits_waiting = 0
+
+    @property
+    def batches_continuously(self) -> bool:
+        """Requests of different stream calls share the decode batch (send each when it is ready)."""
+        return self.sampler.slots is not None
 
     @property
     def weight_version(self) -> int:
@@ -87,6 +103,10 @@ class EmbeddedEngine:
                 yield Rollout(r.prompt_ids, (), (), "abort", self.weight_version, dict(r.metadata), r.request_id)
         if not live:
             return
+        if self.batches_continuously:
+            async for completion in self._stream_continuous(live, began):
+                yield completion
+            return
         async with self._lock:  # one batch at a time; weights cannot change under it
             rollouts = await asyncio.to_thread(self.sampler.generate, [r.prompt_ids for r in live],
                                                [r.params for r in live], self._keys(live),
@@ -95,12 +115,67 @@ class EmbeddedEngine:
         for request, rollout in zip(live, rollouts):
             yield dataclasses.replace(rollout, request_id=request.request_id, latency_s=latency)
 
+    async def _stream_continuous(self, live: Sequence[Request], began: float) -> AsyncIterator[Completion]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for request, key in zip(live, self._keys(live)):
+            self.sampler.check(request.prompt_ids, request.params, f"request {request.request_id}")
+            futures.append(loop.create_future())
+            self._queue.append((request, key, futures[-1]))
+        self._drive()
+        for next_done in asyncio.as_completed(futures):
+            request, rollout = await next_done
+            yield dataclasses.replace(rollout, request_id=request.request_id, latency_s=time.perf_counter() - began)
+
+    def _drive(self) -> None:
+        """Start the driver unless it runs (or a pause or weight update holds the queue)."""
+        if self._queue and (self._driver is None or self._driver.done()) and self._running.is_set() \
+                and not self._refits_waiting:
+            self._driver = asyncio.get_running_loop().create_task(self._decode_queue())
+
+    async def _decode_queue(self) -> None:
+        """Decode chunks until nothing is queued or decoding: admit what is queued (aborted ones
+        answered with an abort), one chunk in a worker thread, answer what finished. Holds the
+        lock, so the weights stay those the requests started with."""
+        async with self._lock:
+            slots = self.sampler.decode_slots()
+            in_flight: dict[str, tuple[Request, asyncio.Future]] = {}
+            try:
+                while True:
+                    if self._running.is_set() and not self._refits_waiting:  # else: finish what decodes
+                        for request, key, future in self._queue:
+                            if request.request_id in self._aborted:
+                                self._aborted.discard(request.request_id)
+                                future.set_result((request, Rollout(request.prompt_ids, (), (), "abort",
+                                                                    self.weight_version, dict(request.metadata))))
+                                continue
+                            slots.submit(request.request_id, request.prompt_ids, request.params, key)
+                            in_flight[request.request_id] = request, future
+                        self._queue.clear()
+                    if not slots.busy:
+                        return
+                    for request_id, result in await asyncio.to_thread(slots.step):
+                        request, future = in_flight.pop(request_id)
+                        if not future.done():
+                            future.set_result((request, self.sampler.rollout(request.prompt_ids, result,
+                                                                             request.metadata)))
+            except Exception as e:  # every request decoding or waiting gets the error, in its stream call
+                for _, future in [*in_flight.values(), *((f, f) for _, _, f in self._queue)]:
+                    if not future.done():
+                        future.set_exception(EngineError(f"the embedded engine failed: {type(e).__name__}: {e}"))
+                self._queue.clear()
+
     async def update_weights(self, update: WeightUpdate) -> None:
         if update.model is None:
             raise EngineError("the embedded engine takes the model in memory; this update has none")
         self._ensure()
-        async with self._lock:
-            self.sampler.update_weights(update.model(), update.version)
+        self._refits_waiting += 1  # the driver admits nothing more; requests queue for the new weights
+        try:
+            async with self._lock:
+                self.sampler.update_weights(update.model(), update.version)
+        finally:
+            self._refits_waiting -= 1
+            self._drive()
 
     async def start(self) -> None:
         pass
@@ -129,6 +204,7 @@ class EmbeddedEngine:
     async def resume(self) -> None:
         self._ensure()
         self._running.set()
+        self._drive()
 
     async def close(self) -> None:
         pass

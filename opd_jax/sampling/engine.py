@@ -21,7 +21,7 @@ from flax import nnx
 
 from opd_jax.errors import OpdJaxError
 from opd_jax.models.decoder import Decoder, KVCache
-from opd_jax.sampling.continuous import generate_continuous
+from opd_jax.sampling.continuous import DecodeSlots, Result, generate_continuous
 from opd_jax.sampling.ops import sample_tokens
 from rollout_bridge.records import Rollout, SamplingParams
 
@@ -108,6 +108,34 @@ class Sampler:
             raise ValueError("update_weights needs a model of the same architecture and dtypes")
         self.state, self.weight_version = state, weight_version
 
+    def check(self, prompt: Sequence[int], params: SamplingParams, name: str = "the prompt") -> None:
+        """ValueError (PromptTooLongError) for a prompt this engine cannot run."""
+        if len(prompt) == 0:
+            raise ValueError(f"{name} is empty")
+        if len(prompt) + params.max_new_tokens > self.max_cache_len:
+            raise PromptTooLongError(
+                f"{name} has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it needs "
+                f"{len(prompt) + params.max_new_tokens} cache slots, but the cache holds {self.max_cache_len}")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
+
+    def decode_slots(self) -> DecodeSlots:
+        """Continuous batching across calls (`sampling.continuous.DecodeSlots`): `slots` decode
+        slots of max_cache_len tokens each, with the current weights, for requests that arrive
+        while others decode (`open_queue`). Build a new one after `update_weights`."""
+        if self.slots is None:
+            raise ValueError("decode_slots needs a Sampler built with slots=")
+        return DecodeSlots(self.graphdef, self.state, slots=self.slots, cache_len=self.max_cache_len,
+                           pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype, open_queue=True)
+
+    def rollout(self, prompt: Sequence[int], result: Result, metadata: dict[str, Any] | None = None) -> Rollout:
+        """The Rollout of a continuous-batching result (tokens, log-probs, stopped, experts)."""
+        ids, logp, stopped, experts = result
+        return Rollout(prompt_ids=tuple(int(t) for t in prompt), output_ids=tuple(int(t) for t in ids),
+                       output_logprobs=tuple(float(x) for x in logp), finish_reason="stop" if stopped else "length",
+                       weight_version=self.weight_version, metadata=dict(metadata or {}), routed_experts=experts)
+
     def compiled_variants(self) -> int:
         """How many shapes the generation function has been compiled for (all Samplers)."""
         return _generate._cache_size()
@@ -124,15 +152,7 @@ class Sampler:
         max_new = max(p.max_new_tokens for p in per_row)
         longest = max(len(p) for p in prompts)
         for i, (prompt, p) in enumerate(zip(prompts, per_row)):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(prompt) + p.max_new_tokens > self.max_cache_len:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={p.max_new_tokens} it needs "
-                    f"{len(prompt) + p.max_new_tokens} cache slots, but the cache holds {self.max_cache_len}")
-            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
+            self.check(prompt, p, f"prompt {i}")
         width = max(longest, min(_bucket(longest), self.max_cache_len - max_new))
         B = len(prompts)
         tokens = np.full((B, width), self.pad_id, np.int32)
@@ -153,12 +173,8 @@ class Sampler:
         metadata = metadata or [{} for _ in prompts]
         if self.slots is not None and self.slots < B:
             done = generate_continuous(self.graphdef, self.state, prompts, per_row, row_keys, slots=self.slots,
-                                       cache_len=width + max_new, prompt_width=width, pad_id=self.pad_id,
-                                       kv_dtype=self.kv_cache_dtype)
-            return [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]), output_ids=tuple(int(t) for t in ids),
-                            output_logprobs=tuple(float(x) for x in logp), finish_reason="stop" if stop else "length",
-                            weight_version=self.weight_version, metadata=dict(metadata[i]), routed_experts=experts)
-                    for i, (ids, logp, stop, experts) in enumerate(done)]
+                                       cache_len=width + max_new, pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype)
+            return [self.rollout(prompts[i], result, metadata[i]) for i, result in enumerate(done)]
         out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(mask), row_keys,
             jnp.asarray([p.temperature for p in per_row], jnp.float32),
