@@ -113,3 +113,13 @@ def test_every_config_key_is_described_and_the_reference_is_current():
     reference = Path(__file__).parents[1] / "docs" / "config.md"
     assert reference.read_text() == reference_markdown(command_schemas()), \
         "docs/config.md is stale: python -m opd_jax.config.reference > docs/config.md"
+
+
+def test_the_estimators_are_selectable_and_rloo_needs_groups():
+    config = load_config(None, ["algorithm.ppo.advantage=reinforce++", "algorithm.ppo.surrogate.kind=gspo",
+                                "algorithm.ppo.surrogate.eps_low=3e-4", "algorithm.ppo.surrogate.eps_high=4e-4"])
+    assert config.algorithm.ppo.advantage == "reinforce++" and config.algorithm.ppo.surrogate.kind == "gspo"
+    with pytest.raises(ConfigError, match="rloo needs rollout.samples_per_prompt >= 2"):
+        load_config(None, ["algorithm.ppo.advantage=rloo", "rollout.samples_per_prompt=1"])
+    with pytest.raises(ConfigError, match="CISPO clips only"):
+        load_config(None, ["algorithm.ppo.surrogate.kind=cispo", "algorithm.ppo.surrogate.dual_clip=3"])

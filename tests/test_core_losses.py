@@ -18,6 +18,8 @@ from opd_jax.core import (
     loss_denominator,
     outcome_rewards,
     policy_loss,
+    reinforce_pp_advantages,
+    rloo_advantages,
     shift_right,
     tis_weights,
     token_logprobs,
@@ -312,3 +314,86 @@ def test_mismatched_shapes_name_the_arrays():
         value_loss(z, z, z, jnp.zeros((3, 3)))
     with pytest.raises(AssertionError, match="gae: rewards, values and mask must share"):
         gae(z, jnp.zeros((2, 2)), z)
+
+
+def test_rloo_and_reinforce_pp_advantages_match_numpy():
+    """RLOO: each sample's baseline is the mean of the other samples of its prompt; REINFORCE++-
+    baseline: the group mean subtracted, then normalised over the batch's response tokens."""
+    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0.2, 0.7, 0.1, 0.0], np.float32)
+    ours = np.asarray(rloo_advantages(jnp.asarray(rewards), 4))
+    ref = [r - np.delete(g, i).mean() for g in rewards.reshape(3, 4) for i, r in enumerate(g)]
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        rloo_advantages(jnp.asarray(rewards), 1)
+
+    rng = np.random.default_rng(3)
+    m = ragged_mask(rng, 12, 9)
+    ours = np.asarray(reinforce_pp_advantages(jnp.asarray(rewards), jnp.asarray(m), 4))
+    centered = (rewards.reshape(3, 4) - rewards.reshape(3, 4).mean(1, keepdims=True)).reshape(-1)
+    tokens = np.broadcast_to(centered[:, None], m.shape)[m > 0].astype(np.float64)
+    ref = np.where(m > 0, (centered[:, None] - tokens.mean()) / (tokens.std() + 1e-8), 0.0)
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def numpy_gspo_objective(logp, logp_old, A, m, eps_low, eps_high):
+    """GSPO's sequence-level objective (to be maximised), float64: the mean over rows with tokens
+    of min(s·A, clip(s)·A), s = exp(mean over the row's tokens of logp − logp_old)."""
+    rows = []
+    for i in range(len(m)):
+        if m[i].sum() == 0:
+            continue
+        s = np.exp(((logp[i] - logp_old[i]) * m[i]).sum() / m[i].sum())
+        a = A[i][m[i] > 0][0]
+        rows.append(min(s * a, np.clip(s, 1 - eps_low, 1 + eps_high) * a))
+    return np.mean(rows)
+
+
+def test_gspo_loss_and_gradient_are_the_sequence_level_objectives():
+    """GSPO's token form (seq-mean-token-mean): its value is minus the sequence-level objective,
+    and its gradient with respect to the token log-probs is that objective's, by central
+    differences in float64, with some sequences clipped."""
+    rng = np.random.default_rng(11)
+    B, T, eps_low, eps_high = 10, 8, 0.03, 0.04
+    m = ragged_mask(rng, B, T)
+    logp_old = -rng.uniform(0.1, 3, (B, T))
+    logp = logp_old + rng.normal(scale=0.2, size=(B, T))
+    A = np.broadcast_to(rng.normal(size=(B, 1)), (B, T)).copy()
+
+    def loss(lp):
+        return policy_loss(lp, jnp.asarray(logp_old, jnp.float32), jnp.asarray(A, jnp.float32), jnp.asarray(m),
+                           eps_low=eps_low, eps_high=eps_high, agg="seq-mean-token-mean", kind="gspo")[0]
+
+    ours, grad = jax.value_and_grad(loss)(jnp.asarray(logp, jnp.float32))
+    np.testing.assert_allclose(float(ours), -numpy_gspo_objective(logp, logp_old, A, m, eps_low, eps_high), rtol=1e-5)
+    ref = np.zeros_like(logp)
+    h = 1e-6
+    for i, t in zip(*np.nonzero(m)):
+        up, down = logp.copy(), logp.copy()
+        up[i, t] += h
+        down[i, t] -= h
+        ref[i, t] = -(numpy_gspo_objective(up, logp_old, A, m, eps_low, eps_high)
+                      - numpy_gspo_objective(down, logp_old, A, m, eps_low, eps_high)) / (2 * h)
+    np.testing.assert_allclose(np.asarray(grad), ref, atol=1e-5)
+    seq = np.array([np.exp(((logp[i] - logp_old[i]) * m[i]).sum() / m[i].sum()) for i in range(B) if m[i].sum()])
+    assert ((seq < 1 - eps_low) | (seq > 1 + eps_high)).any() and ((seq > 1 - eps_low) & (seq < 1 + eps_high)).any()
+
+
+def test_cispo_weights_every_token_by_its_clipped_stopped_ratio():
+    """CISPO: loss = −Σ w·sg(clip(r))·A·logp / n and d loss / d logp = −w·clip(r)·A / n on every
+    masked token, clipped ones included (PPO's clip would zero their gradient)."""
+    rng = np.random.default_rng(4)
+    B, T = 5, 9
+    m = ragged_mask(rng, B, T)
+    logp_old = -rng.uniform(0.1, 3, (B, T)).astype(np.float32)
+    logp = (logp_old + rng.normal(scale=0.5, size=(B, T))).astype(np.float32)
+    A = rng.normal(size=(B, T)).astype(np.float32)
+    w = rng.uniform(0, 2, (B, T)).astype(np.float32)
+    ours, grad = jax.value_and_grad(lambda lp: policy_loss(lp, jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m),
+                                                           weights=jnp.asarray(w), kind="cispo")[0])(jnp.asarray(logp))
+    clipped = np.clip(np.exp(logp.astype(np.float64) - logp_old), 0.8, 1.28)
+    n = m.sum()
+    np.testing.assert_allclose(float(ours), -(w * clipped * A * logp * m).sum() / n, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), -(w * clipped * A * m) / n, rtol=1e-5, atol=1e-7)
+    assert (np.abs(np.asarray(grad))[(m > 0) & (clipped != np.exp(logp - logp_old))] > 0).any()
+    with pytest.raises(ValueError, match="CISPO clips only"):
+        policy_loss(jnp.asarray(logp), jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m), kind="cispo", dual_clip=3.0)

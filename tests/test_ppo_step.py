@@ -294,6 +294,36 @@ def test_grpo_uses_the_group_baseline_and_leaves_the_critic_alone():
         ppo_step(state, batch, config=PPOConfig(advantage="grpo"), group_size=5)
 
 
+@pytest.mark.parametrize("advantage, kind", [("rloo", "ppo"), ("reinforce++", "cispo"), ("grpo", "gspo")])
+def test_the_critic_free_baselines_and_loss_kinds_train_the_policy_through_the_step(advantage, kind):
+    """Each baseline and policy-loss kind through the whole step: the advantages it trains on are
+    the core function's (RLOO against NumPy), the critic is untouched, and the policy moves as
+    an SGD step on the loss of `policy_loss` with those advantages."""
+    from opd_jax.core import advantages_and_returns, policy_loss, sequence_logprobs
+
+    lr = 0.05
+    config = PPOConfig(advantage=advantage, surrogate=SurrogateConfig(kind=kind, mismatch=MismatchCorrection("none")))
+    state = make_state(optax.sgd(lr), optax.sgd(lr))
+    batch = scored_batch(state)
+    new, metrics = jax.jit(functools.partial(ppo_step, config=config, group_size=4))(state, batch)
+    for a, b in zip(jax.tree.leaves(new.critic), jax.tree.leaves(state.critic)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    advantages, _ = advantages_and_returns(batch, config=config, group_size=4)
+    m = host(batch.response_mask)
+    if advantage == "rloo":
+        r = host(batch.rewards).reshape(-1, 4)
+        rloo = (r - (r.sum(1, keepdims=True) - r) / 3).reshape(-1)
+        np.testing.assert_allclose(host(advantages), rloo[:, None] * m, atol=1e-5)
+
+    def loss(params):
+        logp, _ = sequence_logprobs(state.policy_def, params, batch)
+        return policy_loss(logp, batch.logp_old, advantages, batch.response_mask, kind=kind)[0]
+    grads = jax.grad(loss)(state.policy)
+    expected = jax.tree.map(lambda p, g: p - lr * g, state.policy, grads)
+    assert_updates_close(new.policy, expected, state.policy)
+    assert np.isfinite(float(metrics["policy/loss"]))
+
+
 @pytest.mark.parametrize("kind", ["tis", "seq-mis"])  # every kind: test_core_mismatch
 def test_minus_inf_engine_logprobs_off_the_mask_leave_the_step_unchanged(kind):
     """validate_batch accepts −inf engine log-probs outside the response mask (nothing was

@@ -245,8 +245,9 @@ def scoring_temperature(rollout: RolloutSection) -> float:
 
 
 class AlgorithmSection(Section):
-    """The PPO step's knobs (`ppo.advantage`: GAE from the critic, the GLM-5.2 recipe, or the
-    GRPO group baseline, over groups of rollout.samples_per_prompt) and the two optimizers."""
+    """The PPO step's knobs (`ppo.advantage`: GAE from the critic, the GLM-5.2 recipe, or a
+    critic-free baseline, GRPO, RLOO or REINFORCE++, over groups of rollout.samples_per_prompt;
+    `ppo.surrogate.kind`: PPO, GSPO or CISPO) and the two optimizers."""
 
     ppo: PPOConfig = PPOConfig()
     """The PPO step: advantages, the clipped IcePop surrogate, the critic, updates."""
@@ -412,4 +413,7 @@ class TrainConfig(Section):
             self.algorithm.ppo.check_batch_size(self.data.prompts_per_step * group, group)
         except ValueError as e:
             raise ValueError(f"data.prompts_per_step × rollout.samples_per_prompt: {e} (algorithm.ppo.update)") from None
+        if self.algorithm.ppo.advantage == "rloo" and group < 2:
+            raise ValueError("algorithm.ppo.advantage rloo needs rollout.samples_per_prompt >= 2 (each sample's "
+                             "baseline is the others of its prompt)")
         return self

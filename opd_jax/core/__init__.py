@@ -1,14 +1,23 @@
 """Pure functions of the recipe: arrays in, arrays out; jitted and sharded by their callers.
 
-    advantages    gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
+    advantages    gae, group_advantages (GRPO), rloo_advantages, reinforce_pp_advantages, length_adaptive_lambda,
+                  outcome_rewards, whiten
     mismatch      mismatch_weights (IcePop, TIS, MIS, sequence variants, veto), mismatch_metrics
-    losses        policy_loss (clipped surrogate), value_loss, kl_estimate, aggregate
+    losses        policy_loss (PPO, GSPO, CISPO surrogates), value_loss, kl_estimate, aggregate
     forward       sequence_logits / sequence_logprobs / sequence_values / policy_logprobs
     update        the epochs × mini-batches × micro-batches driver every step shares
     steps         ppo_step (+ score_batch), opd_step (+ score_student, teacher_scores), sft_step
 """
 
-from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
+from opd_jax.core.advantages import (
+    gae,
+    group_advantages,
+    length_adaptive_lambda,
+    outcome_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
 from opd_jax.core.batch import BatchError, RolloutBatch, validate_batch
 from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.forward import policy_logprobs, sequence_logits, sequence_logprobs, sequence_values
@@ -41,6 +50,7 @@ __all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "BatchError", "DistillBatch", "
            "icepop_weights", "kl_estimate",
            "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics", "mismatch_weights",
            "opd_advantages", "opd_step", "outcome_rewards", "policy_logprobs", "policy_loss", "ppo_step",
-           "reverse_kl_advantage", "score_batch", "score_student", "select_teacher", "sequence_logits",
+           "reinforce_pp_advantages",
+           "reverse_kl_advantage", "rloo_advantages", "score_batch", "score_student", "select_teacher", "sequence_logits",
            "sequence_logprobs", "sequence_values", "sft_step", "shift_right", "teacher_scores", "tis_weights",
            "token_logprobs", "top_k_reverse_kl", "validate_batch", "value_loss", "whiten"]

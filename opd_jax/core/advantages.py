@@ -1,4 +1,5 @@
-"""Advantage estimators: token-level GAE from a critic, and the GRPO group baseline. Pure."""
+"""Advantage estimators: token-level GAE from a critic, and the critic-free group baselines
+(GRPO, RLOO, REINFORCE++-baseline). Pure."""
 
 from __future__ import annotations
 
@@ -58,6 +59,38 @@ def group_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = 
     if normalize_std:
         centered = centered / (grouped.std(axis=1, keepdims=True) + eps)
     return centered.reshape(-1)
+
+
+def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each sample's baseline is the mean reward
+    of the other samples of its prompt,
+
+        A_i = R_i − (1/(G−1)) Σ_{j≠i} R_j  =  G/(G−1) · (R_i − mean_group(R))
+
+    over consecutive groups of G = group_size ≥ 2 samples. rewards: [B]. Returns [B]."""
+    chex.assert_rank(rewards, 1)
+    if group_size < 2:
+        raise ValueError(f"RLOO needs at least 2 samples per prompt, got group_size={group_size}")
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"batch of {rewards.shape[0]} rewards is not a multiple of group_size={group_size}")
+    grouped = rewards.astype(jnp.float32).reshape(-1, group_size)
+    others = (grouped.sum(axis=1, keepdims=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1)
+
+
+def reinforce_pp_advantages(rewards: jax.Array, mask: jax.Array, group_size: int, eps: float = 1e-8) -> jax.Array:
+    """REINFORCE++-baseline (Hu et al. 2025): the group mean as baseline, then normalised over the
+    whole batch rather than per group,
+
+        A'_i = R_i − mean_group(R),    A_t = (A'_i − μ) / (σ + eps)  on every response token t of i
+
+    with μ, σ the mean and (population) std of A' over the batch's response tokens (a long
+    response weighs as many tokens as it has). rewards: [B]; mask: [B, T]. Returns [B, T], zero
+    off the mask."""
+    chex.assert_rank([rewards, mask], [1, 2])
+    centered = group_advantages(rewards, group_size, normalize_std=False)
+    m = mask.astype(jnp.float32)
+    return whiten(jnp.where(m > 0, centered[:, None], 0.0), m, eps)
 
 
 def length_adaptive_lambda(mask: jax.Array, alpha: float = 0.05) -> jax.Array:

@@ -18,27 +18,36 @@ from opd_jax.core.metrics import Maxed, Summed
 from opd_jax.core.mismatch import MismatchCorrection
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+PolicyLossKind = Literal["ppo", "gspo", "cispo"]
 
 
-def check_surrogate(eps_low: float, eps_high: float, dual_clip: float | None, agg: str) -> None:
+def check_surrogate(eps_low: float, eps_high: float, dual_clip: float | None, agg: str, kind: str = "ppo") -> None:
     """The clipped surrogate's knobs, as `policy_loss` needs them (ValueError naming the knob)."""
     if not (0 <= eps_low < 1 and eps_high >= 0):
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if kind not in ("ppo", "gspo", "cispo"):
+        raise ValueError(f"unknown policy loss {kind!r}; use 'ppo', 'gspo' or 'cispo'")
+    if dual_clip is not None and kind == "cispo":
+        raise ValueError("dual_clip is PPO's and GSPO's; CISPO clips only its stopped weight")
     if agg not in ("token-mean", "seq-mean-token-mean"):
         raise ValueError(f"unknown loss_agg {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
 
 
 @dataclasses.dataclass(frozen=True)
 class SurrogateConfig:
-    """The clipped, mismatch-weighted policy loss every RL step trains through (PPO, OPD): clip
-    range [1 − eps_low, 1 + eps_high] (DAPO's clip-higher), optional dual clip c > 1, the loss
-    aggregation, the train/inference mismatch correction (IcePop β = 2 by default), and an
+    """The clipped, mismatch-weighted policy loss every RL step trains through (PPO, OPD): its kind
+    (PPO's token ratio, GSPO's sequence ratio, CISPO's clipped stopped weight; `policy_loss`),
+    clip range [1 − eps_low, 1 + eps_high] (DAPO's clip-higher), optional dual clip c > 1, the
+    loss aggregation, the train/inference mismatch correction (IcePop β = 2 by default), and an
     entropy bonus: loss − entropy_coef · mean entropy of the policy on the response tokens."""
 
     __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
+    kind: PolicyLossKind = "ppo"
+    """ppo: per-token ratio; gspo: one length-normalised ratio per sequence (set eps ~3e-4 / 4e-4, as
+    its paper); cispo: REINFORCE weighted by the clipped, stopped token ratio."""
     eps_low: float = 0.2
     """Clip the ratio from below at 1 − eps_low."""
     eps_high: float = 0.28
@@ -53,7 +62,7 @@ class SurrogateConfig:
     """Subtract entropy_coef × the policy's mean entropy on response tokens from the loss."""
 
     def __post_init__(self):
-        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg)
+        check_surrogate(self.eps_low, self.eps_high, self.dual_clip, self.loss_agg, self.kind)
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
 
@@ -94,12 +103,19 @@ def aggregate(per_token: jax.Array, mask: jax.Array, agg: Aggregation,
 def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask: jax.Array, *,
                 eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float | None = None,
                 weights: jax.Array | None = None, agg: Aggregation = "token-mean",
-                normalizer: jax.Array | float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped surrogate (PPO; asymmetric clip-higher as in DAPO), per token:
+                normalizer: jax.Array | float | None = None, kind: PolicyLossKind = "ppo"
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The clipped policy surrogate, per token (sg: stop-gradient):
 
-        r = exp(logp − logp_old)
-        l = −w · min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)
-        dual clip (Ye et al. 2020), for A < 0 only: l = min(l, −w·c·A)
+        ppo (asymmetric clip-higher as in DAPO):
+            r = exp(logp − logp_old)
+            l = −w · min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)
+            dual clip (Ye et al. 2020), for A < 0 only: l = min(l, −w·c·A)
+        gspo (Zheng et al. 2025, its token form): the sequence's length-normalised ratio
+            s_i = exp( Σ_t m·(logp − logp_old) / Σ_t m ),   r_t = sg(s_i) · exp(logp_t − sg(logp_t))
+            and l as ppo with r_t (its value is s_i; with seq-mean-token-mean its gradient is GSPO's)
+        cispo (MiniMax-M1 2025): every token keeps a gradient, its ratio clipped and stopped as a weight
+            l = −w · sg(clip(r, 1 − eps_low, 1 + eps_high)) · A · logp
 
     aggregated over mask by `agg` (divided by `normalizer` when given, see `aggregate`). w: mismatch
     weights (IcePop / TIS), default 1. All [B, T].
@@ -112,10 +128,19 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
     m = mask.astype(jnp.float32)
     w = jnp.ones_like(m) if weights is None else jax.lax.stop_gradient(weights.astype(jnp.float32))
     A = jax.lax.stop_gradient(advantages.astype(jnp.float32))
-    log_ratio = logp.astype(jnp.float32) - jax.lax.stop_gradient(logp_old.astype(jnp.float32))
+    check_surrogate(eps_low, eps_high, dual_clip, agg, kind)
+    logp = logp.astype(jnp.float32)
+    log_ratio = token_log_ratio = logp - jax.lax.stop_gradient(logp_old.astype(jnp.float32))
+    if kind == "gspo":
+        lengths = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
+        log_seq = jnp.sum(jnp.where(m > 0, log_ratio, 0.0), axis=1, keepdims=True) / lengths
+        log_ratio = jax.lax.stop_gradient(log_seq) + logp - jax.lax.stop_gradient(logp)
     ratio = jnp.exp(log_ratio)
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = -w * jnp.minimum(ratio * A, clipped * A)
+    if kind == "cispo":
+        per_token = -w * jax.lax.stop_gradient(clipped) * A * jnp.where(m > 0, logp, 0.0)
+    else:
+        per_token = -w * jnp.minimum(ratio * A, clipped * A)
     if dual_clip is not None:
         per_token = jnp.where(A < 0, jnp.minimum(per_token, -w * dual_clip * A), per_token)
     loss, total, count = aggregate(per_token, m, agg, normalizer)
@@ -125,7 +150,7 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
         "loss_sum": Summed(total), "token_count": Summed(count),
         "clip_frac_low": masked_mean(((ratio < 1.0 - eps_low) & (A < 0)).astype(jnp.float32)),
         "clip_frac_high": masked_mean(((ratio > 1.0 + eps_high) & (A > 0)).astype(jnp.float32)),
-        "approx_kl_k3": masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio),
+        "approx_kl_k3": masked_mean(jnp.exp(-token_log_ratio) - 1.0 + token_log_ratio),
         "ratio_mean": masked_mean(ratio),
         "ratio_max": Maxed(jnp.max(jnp.where(m > 0, ratio, -jnp.inf))),
         "weight_zero_frac": masked_mean((w == 0).astype(jnp.float32)),

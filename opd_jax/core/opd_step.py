@@ -210,7 +210,7 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
         if use_surrogate:
             loss, metrics = policy_loss(logp, rollout.logp_old, t.advantages, t.mask, eps_low=s.eps_low,
                                         eps_high=s.eps_high, dual_clip=s.dual_clip, weights=t.weights,
-                                        agg=s.loss_agg, normalizer=normalizer)
+                                        agg=s.loss_agg, normalizer=normalizer, kind=s.kind)
         if config.loss != "sampled":
             student = shift_right(logits)
             if config.loss == "full":

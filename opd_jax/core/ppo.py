@@ -32,7 +32,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from opd_jax.core.advantages import gae, group_advantages, length_adaptive_lambda, outcome_rewards, whiten
+from opd_jax.core.advantages import (
+    gae,
+    group_advantages,
+    length_adaptive_lambda,
+    outcome_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.forward import sequence_logprobs, sequence_values, values_and_final
 from opd_jax.core.losses import (
@@ -90,15 +98,16 @@ class KLConfig:
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
     """Every knob of the step. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α = adaptive_alpha.
-    advantage = "grpo" replaces GAE by the group baseline over consecutive groups of the run's
-    samples per prompt (same advantage on every token of a sample) and leaves the critic
-    untouched. `surrogate`: the clipped, mismatch-weighted policy loss; `update`: epochs,
-    mini-batches, micro-batches (both shared with the OPD step)."""
+    advantage = "grpo", "rloo" or "reinforce++" replaces GAE by a baseline over consecutive groups
+    of the run's samples per prompt (`core.advantages`; the same advantage on every token of a
+    sample, reinforce++'s normalised over the batch's tokens) and leaves the critic untouched.
+    `surrogate`: the clipped, mismatch-weighted policy loss; `update`: epochs, mini-batches,
+    micro-batches (both shared with the OPD step)."""
 
     __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
-    advantage: Literal["gae", "grpo"] = "gae"
-    """gae: per-token GAE from the critic (GLM-5.2); grpo: the group baseline, critic untouched."""
+    advantage: Literal["gae", "grpo", "rloo", "reinforce++"] = "gae"
+    """gae: per-token GAE from the critic (GLM-5.2); critic-free (critic untouched): grpo, rloo, reinforce++."""
     grpo_normalize_std: bool = True
     """GRPO: divide by the group's reward std (false: Dr.GRPO)."""
     gamma: float = 1.0
@@ -129,8 +138,8 @@ class PPOConfig:
     """MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the trainer's router)."""
 
     def __post_init__(self):
-        if self.advantage not in ("gae", "grpo"):
-            raise ValueError(f"advantage must be 'gae' or 'grpo', got {self.advantage!r}")
+        if self.advantage not in ("gae", "grpo", "rloo", "reinforce++"):
+            raise ValueError(f"advantage must be 'gae', 'grpo', 'rloo' or 'reinforce++', got {self.advantage!r}")
         if self.value_warmup_steps < 0:
             raise ValueError(f"value_warmup_steps must be >= 0, got {self.value_warmup_steps}")
         if self.lam_policy != "adaptive" and not 0 <= self.lam_policy <= 1:
@@ -139,7 +148,7 @@ class PPOConfig:
             raise ValueError("gamma and lam_critic must be in [0, 1]")
 
     def check_batch_size(self, batch_size: int, group_size: int = 1) -> None:
-        self.update.check_batch_size(batch_size, group_size if self.advantage == "grpo" else None)
+        self.update.check_batch_size(batch_size, None if self.advantage == "gae" else group_size)
 
 
 @flax.struct.dataclass
@@ -220,7 +229,7 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
                                                   with_router=True, replay=config.routing_replay == "r3")
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
                                     eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=t.weights,
-                                    agg=surrogate.loss_agg, normalizer=normalizer)
+                                    agg=surrogate.loss_agg, normalizer=normalizer, kind=surrogate.kind)
         entropy_mean, _, _ = aggregate(entropy, t.mask, surrogate.loss_agg, normalizer)
         metrics = {**metrics, "loss": summed_loss(loss), "entropy": summed_loss(entropy_mean)}
         if surrogate.entropy_coef > 0:
@@ -272,9 +281,12 @@ def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_
         stats["kl_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(m), 1.0)
     lam_policy = length_adaptive_lambda(m, config.adaptive_alpha) if config.lam_policy == "adaptive" \
         else config.lam_policy
-    if config.advantage == "grpo":
-        group = group_advantages(batch.rewards, group_size, normalize_std=config.grpo_normalize_std)
+    if config.advantage in ("grpo", "rloo"):
+        group = group_advantages(batch.rewards, group_size, normalize_std=config.grpo_normalize_std) \
+            if config.advantage == "grpo" else rloo_advantages(batch.rewards, group_size)
         advantages = jnp.where(m > 0, group[:, None], 0.0)
+    elif config.advantage == "reinforce++":
+        advantages = reinforce_pp_advantages(batch.rewards, m, group_size)
     else:
         advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy, final)
     _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic, final)
@@ -323,7 +335,7 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
         policy, policy_opt, policy_metrics = jax.lax.cond(
             train_policy, policy_branch, lambda: (policy, policy_opt, skipped))
         metrics = prefixed("policy/", policy_metrics)
-        if config.advantage == "gae":  # GRPO has no critic to train
+        if config.advantage == "gae":  # the critic-free baselines have no critic to train
             critic, critic_opt, critic_metrics = _critic_update(state, critic, critic_opt, mb, config)
             metrics.update(prefixed("critic/", critic_metrics))
         return (policy, policy_opt, critic, critic_opt), metrics
