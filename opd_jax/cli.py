@@ -227,6 +227,27 @@ def merge(
     typer.echo(f"merge written to {run_dir}")
 
 
+@_command()
+def sweep(
+    sweep_file: Annotated[Path, typer.Argument(metavar="SWEEP", help="A sweep file: base config, cells, seeds.")],
+    jobs: Annotated[int, typer.Option(help="Runs at a time (each its own process).")] = 1,
+    out: Annotated[Optional[Path], typer.Option(help="Where the runs and results go (default: the sweep's out).")] = None,
+    aggregate_only: Annotated[bool, typer.Option(help="Only aggregate the runs that finished.")] = False,
+) -> None:
+    """Run every cell of a sweep with every seed (resuming what an earlier sweep left), then
+    aggregate: sweep.json, sweep.md (means with confidence intervals, paired comparisons,
+    collapse incidence) and curves.png."""
+    from opd_jax.sweep import Sweep, aggregate, run_sweep
+
+    loaded = Sweep(sweep_file, out)
+    if aggregate_only:
+        aggregate(loaded)
+    else:
+        run_sweep(loaded, jobs, echo=typer.echo)
+    typer.echo((loaded.out / "sweep.md").read_text())
+    typer.echo(f"sweep written to {loaded.out}")
+
+
 SCHEMAS = {"train": "TrainConfig", "merge": "MergeConfig", "experts": "ExpertsConfig"}
 Kind = Annotated[str, typer.Option("--kind", help="Which command's config: train, merge or experts.")]
 

@@ -48,3 +48,7 @@ def test_only_parallel_names_mesh_axes():
             if axis.search(line) and "mesh" in line.lower():
                 named.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not named, named
+
+
+def test_sweeps_drive_training_only_through_its_command():
+    assert not offenders("opd_jax/sweep", lambda m: m.startswith(("opd_jax.train", "opd_jax.core", "opd_jax.models")))

@@ -1,0 +1,97 @@
+"""The typed config of `opd-jax sweep`: a base training config, the cells (a grid of dotted
+overrides and/or a list of named cells), the seeds every cell runs, and what to aggregate."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from opd_jax.config.schema import Section
+
+
+class CellSpec(Section):
+    """One named cell: dotted overrides on top of the sweep's own."""
+
+    name: str
+    """The cell's name (its run directories, tables and comparisons use it)."""
+    overrides: dict[str, Any] = {}
+    """Dotted key: value pairs, e.g. {algorithm.ppo.surrogate.mismatch.kind: tis}."""
+
+
+class CollapseSection(Section):
+    """When a run counts as collapsed (any of these, first step reported)."""
+
+    eval_drop: float = Field(0.1, ge=0)
+    """The held-out metric falls below its first evaluation by more than this."""
+    grad_norm_factor: float = Field(10.0, gt=1)
+    """policy/grad_norm exceeds this many times its median over the run's first 5 steps."""
+    entropy_floor: float = Field(0.05, ge=0)
+    """policy/entropy (nats per token) falls below this."""
+
+
+class SweepConfig(Section):
+    """`opd-jax sweep`: every cell × every seed as an independent `opd-jax train` run."""
+
+    base: Path
+    """The training config every run starts from (relative to the sweep file)."""
+    overrides: dict[str, Any] = {}
+    """Dotted overrides for every cell."""
+    grid: dict[str, list[Any]] = {}
+    """Dotted key: values; the cells are their Cartesian product (named key=value,...)."""
+    cells: list[CellSpec] = []
+    """Named cells, besides (or instead of) the grid's."""
+    seeds: int | list[int] = 3
+    """How many seeds (0..n−1) or which; each cell runs every one. At least 2 (an interval needs them)."""
+    seed_keys: list[str] = ["seed", "model.fresh.seed", "data.seed"]
+    """The config keys set to the run's seed (what a seed moves: sampling, model init, prompt order)."""
+    eval_metric: str = "eval/accuracy"
+    """The held-out metric: final, best and gain over its first evaluation, per cell."""
+    metrics: list[str] = []
+    """Training metrics aggregated per cell (their value at the last step that logged them)."""
+    compare: list[tuple[str, str]] = []
+    """Pairs of cells [a, b]: the paired difference a − b of the final held-out metric over the seeds both ran."""
+    confidence: float = Field(0.95, gt=0, lt=1)
+    """Level of every interval (Student's t over seeds)."""
+    collapse: CollapseSection = CollapseSection()
+    """When a run counts as collapsed."""
+    out: Path | None = None
+    """Where the runs and the results go (default: runs/sweeps/<sweep file's name>)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepConfig:
+        if not self.grid and not self.cells:
+            raise ValueError("the sweep has no cells: give a grid, cells, or both")
+        empty = [k for k, v in self.grid.items() if not v]
+        if empty:
+            raise ValueError(f"grid key {empty[0]} has no values")
+        if len(self.seed_list) < 2:
+            raise ValueError(f"seeds: {len(self.seed_list)} seed(s); a confidence interval needs at least 2")
+        names = [name for name, _ in self.cell_overrides()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two cells are named {next(n for n in names if names.count(n) > 1)!r}")
+        for a, b in self.compare:
+            for name in (a, b):
+                if name not in names:
+                    raise ValueError(f"compare: no cell named {name!r} (cells: {', '.join(names)})")
+        return self
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
+
+    def cell_overrides(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, overrides) of every cell: the grid's, in order, then the named ones."""
+        cells = []
+        keys = list(self.grid)
+        for values in itertools.product(*(self.grid[k] for k in keys)):
+            name = ",".join(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in zip(keys, values))
+            cells.append((re.sub(r"[^\w.,=+-]", "_", name), dict(zip(keys, values))))
+        return cells + [(c.name, dict(c.overrides)) for c in self.cells]
+
+
+def _short(value: Any) -> str:
+    return str(value).replace(" ", "")

@@ -1,0 +1,134 @@
+"""`opd-jax sweep`: every cell × seed of a sweep as its own `opd-jax train` process, several at a
+time, each in its own run directory (<out>/<cell>/seed<k>), then the aggregate.
+
+Resumable: a run whose run.json says finished is kept as it is; one with checkpoints continues
+from the last (`--resume`); anything else starts over. Every cell's config is resolved before a
+single run starts, so a bad key or value stops the sweep with one line naming the cell. A run
+that fails is reported with its log (<out>/<cell>/seed<k>.log) and left out of the aggregate;
+the others go on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from opd_jax.config import ConfigError, load_config
+from opd_jax.config.sweep import SweepConfig
+from opd_jax.errors import OpdJaxError
+from opd_jax.sweep import stats
+from opd_jax.sweep.report import write_report
+
+
+class SweepError(OpdJaxError):
+    """A sweep that cannot start, or runs that failed (the message names them and their logs)."""
+
+
+def _dotted(overrides: dict[str, Any]) -> list[str]:
+    """key=value overrides; a value that is not a string written as JSON (which YAML reads back)."""
+    return [f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in overrides.items()]
+
+
+class Sweep:
+    """A loaded sweep: its config, where its base config and results are, and each run's command."""
+
+    def __init__(self, path: str | Path, out: str | Path | None = None):
+        path = Path(path)
+        self.config: SweepConfig = load_config(path, schema=SweepConfig)
+        self.base = (path.parent / self.config.base).resolve()
+        self.out = Path(out or self.config.out or Path("runs") / "sweeps" / path.stem).resolve()
+        self.cells = self.config.cell_overrides()
+        for name, overrides in self.cells:  # every cell must resolve before anything runs
+            try:
+                load_config(self.base, self.overrides(overrides, self.config.seed_list[0]))
+            except ConfigError as e:
+                raise SweepError(f"cell {name}: {e}") from None
+
+    def overrides(self, cell: dict[str, Any], seed: int) -> list[str]:
+        return [*_dotted(self.config.overrides), *_dotted(cell), *(f"{k}={seed}" for k in self.config.seed_keys)]
+
+    def run_dir(self, cell: str, seed: int) -> Path:
+        return self.out / cell / f"seed{seed}"
+
+    def command(self, cell: str, overrides: dict[str, Any], seed: int) -> list[str] | None:
+        """The train command of one run (None: it finished already)."""
+        run_dir = self.run_dir(cell, seed)
+        manifest = _manifest(run_dir)
+        if manifest.get("status") == "finished":
+            return None
+        resume = any((run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").is_dir() else False
+        return [sys.executable, "-m", "opd_jax.cli", "train", str(self.base), *self.overrides(overrides, seed),
+                f"logging.run_dir={run_dir}", "logging.progress_bar=false", *(["--resume"] if resume else [])]
+
+
+def _manifest(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
+    """Run what is not finished, `jobs` at a time, then aggregate (`aggregate`); SweepError
+    naming the runs that failed, after the aggregate of the others is written."""
+    if jobs < 1:
+        raise SweepError(f"--jobs must be >= 1, got {jobs}")
+    todo = [(cell, overrides, seed, command) for cell, overrides in sweep.cells for seed in sweep.config.seed_list
+            if (command := sweep.command(cell, overrides, seed)) is not None]
+    total = len(sweep.cells) * len(sweep.config.seed_list)
+    echo(f"sweep {sweep.out}: {len(sweep.cells)} cells x {len(sweep.config.seed_list)} seeds, "
+         f"{total - len(todo)} runs finished, {len(todo)} to run ({jobs} at a time)")
+    failed = []
+
+    def launch(item) -> tuple[str, int, int]:
+        cell, _, seed, command = item
+        log = sweep.run_dir(cell, seed).with_suffix(".log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as out:
+            status = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        return cell, seed, status
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for cell, seed, status in pool.map(launch, todo):
+            echo(f"  {cell} seed {seed}: {'finished' if status == 0 else f'failed (exit {status})'}")
+            if status != 0:
+                failed.append(f"{cell} seed {seed} ({sweep.run_dir(cell, seed).with_suffix('.log')})")
+    result = aggregate(sweep)
+    if failed:
+        raise SweepError(f"{len(failed)} of {total} runs failed, left out of {sweep.out / 'sweep.md'}: "
+                         + "; ".join(failed))
+    return result
+
+
+def aggregate(sweep: Sweep) -> dict[str, Any]:
+    """sweep.json, sweep.md and curves.png in the sweep's directory from the finished runs: per
+    run its figures and collapse steps, per cell their intervals over seeds and collapse
+    incidence, and the configured paired comparisons. Returns what sweep.json holds."""
+    config = sweep.config
+    cells: dict[str, Any] = {}
+    for name, overrides in sweep.cells:
+        runs = {}
+        for seed in config.seed_list:
+            run_dir = sweep.run_dir(name, seed)
+            if _manifest(run_dir).get("status") == "finished":
+                rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+                runs[seed] = stats.run_summary(rows, config.eval_metric, config.metrics, config.collapse)
+        cells[name] = {"overrides": overrides, "runs": runs,
+                       "summary": stats.cell_summary(runs, config.metrics, config.confidence),
+                       "curve": stats.curve_band(runs, config.confidence)}
+    comparisons = []
+    for a, b in config.compare:
+        final = {n: {s: r.get("final", math.nan) for s, r in cells[n]["runs"].items()} for n in (a, b)}
+        comparisons.append({"a": a, "b": b, "metric": f"final {config.eval_metric}",
+                            **stats.paired(final[a], final[b], config.confidence)})
+    result = {"base": str(sweep.base), "eval_metric": config.eval_metric, "metrics": config.metrics,
+              "confidence": config.confidence, "seeds": config.seed_list, "cells": cells, "comparisons": comparisons}
+    for cell in cells.values():  # JSON keys are strings; keep the seeds as the runs are named
+        cell["runs"] = {str(s): r for s, r in cell["runs"].items()}
+    write_report(sweep.out, result)
+    return result

@@ -1,0 +1,105 @@
+"""What a sweep's runs say, with their uncertainty: per cell, the held-out metric (final, best,
+gain over the first evaluation) and chosen training metrics as mean with a Student's t
+interval over seeds (SciPy); paired differences between cells over the seeds both ran; per
+run, whether and when training collapsed. Reads run directories, writes nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from opd_jax.config.sweep import CollapseSection
+
+
+def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """{"n", "mean", "low", "high", "std"}: the mean of `values` (NaNs left out) with the two-sided
+    Student's t interval at `level` (n − 1 degrees of freedom; NaN bounds below 2 values)."""
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], np.float64)
+    out = {"n": int(x.size), "mean": float(x.mean()) if x.size else math.nan,
+           "std": float(x.std(ddof=1)) if x.size > 1 else math.nan, "low": math.nan, "high": math.nan}
+    if x.size > 1:
+        if out["std"] == 0:
+            out["low"] = out["high"] = out["mean"]
+        else:
+            out["low"], out["high"] = (float(b) for b in stats.t.interval(level, x.size - 1, loc=x.mean(),
+                                                                         scale=stats.sem(x)))
+    return out
+
+
+def paired(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> dict[str, Any]:
+    """The paired difference a − b over the seeds both have: its t interval, and the two-sided
+    p-value of a paired t-test (NaN below 2 pairs or when every difference is equal)."""
+    seeds = sorted(s for s in a if s in b and not (math.isnan(a[s]) or math.isnan(b[s])))
+    diffs = [a[s] - b[s] for s in seeds]
+    out = {"seeds": seeds, **interval(diffs, level), "p_value": math.nan}
+    if len(seeds) > 1 and np.std(diffs) > 0:
+        out["p_value"] = float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
+    return out
+
+
+def collapse(rows: Sequence[dict[str, float]], eval_metric: str, rule: CollapseSection) -> dict[str, int | None]:
+    """The first step of each kind of collapse in one run's metrics rows (None: it did not):
+    eval_drop (the held-out metric below its first evaluation − rule.eval_drop), grad_blowup
+    (policy/grad_norm > rule.grad_norm_factor × its median over the first 5 steps that logged it),
+    nonfinite (a skipped non-finite update), entropy (policy/entropy < rule.entropy_floor);
+    and "any": the earliest of them."""
+    evals = [r for r in rows if eval_metric in r]
+    out: dict[str, int | None] = {"eval_drop": None, "grad_blowup": None, "nonfinite": None, "entropy": None}
+    if evals:
+        start = evals[0][eval_metric]
+        out["eval_drop"] = next((int(r["step"]) for r in evals[1:] if r[eval_metric] < start - rule.eval_drop), None)
+    grads = [r for r in rows if "policy/grad_norm" in r]
+    if grads:
+        typical = float(np.median([r["policy/grad_norm"] for r in grads[:5]]))
+        out["grad_blowup"] = next((int(r["step"]) for r in grads if not r["policy/grad_norm"] <= rule.grad_norm_factor
+                                   * typical), None)
+    out["nonfinite"] = next((int(r["step"]) for r in rows if r.get("policy/skipped_nonfinite", 0)
+                             or r.get("critic/skipped_nonfinite", 0)), None)
+    out["entropy"] = next((int(r["step"]) for r in rows if r.get("policy/entropy", math.inf) < rule.entropy_floor), None)
+    found = [s for s in out.values() if s is not None]
+    out["any"] = min(found) if found else None
+    return out
+
+
+def run_summary(rows: Sequence[dict[str, float]], eval_metric: str, metrics: Sequence[str],
+                rule: CollapseSection) -> dict[str, Any]:
+    """One run's figures: the held-out metric's first, final and best values and the gain
+    final − first, each training metric's last logged value, and its collapse steps."""
+    evals = [(int(r["step"]), r[eval_metric]) for r in rows if eval_metric in r]
+    out: dict[str, Any] = {"steps": max((int(r["step"]) for r in rows), default=0)}
+    if evals:
+        out.update(first=evals[0][1], final=evals[-1][1], best=max(v for _, v in evals),
+                   gain=evals[-1][1] - evals[0][1], first_step=evals[0][0], curve=evals)
+    for name in metrics:
+        logged = [r[name] for r in rows if name in r]
+        out[name] = logged[-1] if logged else math.nan
+    out["collapse"] = collapse(rows, eval_metric, rule)
+    return out
+
+
+def cell_summary(runs: dict[int, dict[str, Any]], metrics: Sequence[str], level: float) -> dict[str, Any]:
+    """Across one cell's runs (by seed): every figure's interval, and collapse incidence per kind
+    (runs that collapsed / runs)."""
+    out: dict[str, Any] = {}
+    for name in ("first", "final", "best", "gain", *metrics):
+        out[name] = interval([r.get(name, math.nan) for r in runs.values()], level)
+    kinds = ("any", "eval_drop", "grad_blowup", "nonfinite", "entropy")
+    out["collapse"] = {k: sum(r["collapse"][k] is not None for r in runs.values()) / max(len(runs), 1) for k in kinds}
+    return out
+
+
+def curve_band(runs: dict[int, dict[str, Any]], level: float) -> list[tuple[int, float, float, float]]:
+    """(step, mean, low, high) of the held-out metric at each step every run evaluated."""
+    curves = [dict(r["curve"]) for r in runs.values() if "curve" in r]
+    if not curves:
+        return []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    bands = []
+    for step in steps:
+        band = interval([c[step] for c in curves], level)
+        bands.append((step, band["mean"], band["low"], band["high"]))
+    return bands

@@ -1,0 +1,140 @@
+"""Sweeps: the aggregate against numbers worked out by hand (means, t intervals, paired
+differences, collapse steps), bad sweeps refused before any run, and a sweep interrupted mid-way
+that resumes without rerunning what finished and writes the same sweep.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from train_loop_settings import TINY
+
+from opd_jax.config import ConfigError, dump_config, load_config
+from opd_jax.config.sweep import CollapseSection
+from opd_jax.sweep import Sweep, SweepError, aggregate, run_sweep
+from opd_jax.sweep.stats import collapse
+
+T_975_DF2 = 4.302652729911275  # Student's t, 97.5% quantile, 2 degrees of freedom (tables)
+
+
+def fake_run(run_dir: Path, evals: dict[int, float], extra: dict[int, dict[str, float]] | None = None) -> None:
+    """A finished run directory whose metrics.jsonl holds these evaluations (and training rows)."""
+    run_dir.mkdir(parents=True)
+    rows = {s: {"step": s} for s in sorted({*evals, *(extra or {})})}
+    for s, v in evals.items():
+        rows[s]["eval/accuracy"] = v
+    for s, metrics in (extra or {}).items():
+        rows[s].update(metrics)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
+    (run_dir / "run.json").write_text(json.dumps({"command": "train", "status": "finished"}))
+
+
+def write_sweep(tmp_path: Path, **spec) -> Path:
+    base = tmp_path / "base.yaml"
+    base.write_text(dump_config(load_config(None, TINY)))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", **spec}))
+    return path
+
+
+def test_the_aggregate_equals_hand_computed_intervals_and_paired_differences(tmp_path):
+    path = write_sweep(tmp_path, cells=[{"name": "a"}, {"name": "b", "overrides": {"steps": 3}}], seeds=3,
+                       metrics=["policy/entropy"], compare=[["a", "b"]])
+    sweep = Sweep(path, tmp_path / "out")
+    finals = {"a": [0.5, 0.7, 0.6], "b": [0.4, 0.5, 0.5]}
+    for cell, values in finals.items():
+        for seed, v in enumerate(values):
+            fake_run(sweep.run_dir(cell, seed), {0: 0.3, 10: 0.2 + seed * 0.1, 20: v},
+                     {20: {"policy/entropy": 1.0 + seed}})
+    result = aggregate(sweep)
+    final = result["cells"]["a"]["summary"]["final"]
+    half = T_975_DF2 * 0.1 / math.sqrt(3)  # sd of [0.5, 0.7, 0.6] is 0.1
+    assert final["n"] == 3 and math.isclose(final["mean"], 0.6)
+    assert math.isclose(final["low"], 0.6 - half, rel_tol=1e-9) and math.isclose(final["high"], 0.6 + half, rel_tol=1e-9)
+    gain = result["cells"]["a"]["summary"]["gain"]
+    assert math.isclose(gain["mean"], 0.3, rel_tol=1e-9)  # final − first, first = 0.3 everywhere
+    best = result["cells"]["b"]["summary"]["best"]  # per seed max(0.3, 0.2 + 0.1 s, final): 0.4, 0.5, 0.5
+    assert math.isclose(best["mean"], 1.4 / 3, rel_tol=1e-9)
+    entropy = result["cells"]["a"]["summary"]["policy/entropy"]
+    assert math.isclose(entropy["mean"], 2.0) and math.isclose(entropy["high"] - 2.0, T_975_DF2 * 1.0 / math.sqrt(3))
+    (diff,) = result["comparisons"]  # differences 0.1, 0.2, 0.1: mean 0.1333, sd 0.0577, t = 4 on 2 df
+    assert diff["seeds"] == [0, 1, 2] and math.isclose(diff["mean"], 0.4 / 3, rel_tol=1e-9)
+    sd = math.sqrt(((0.1 - 0.4 / 3) ** 2 * 2 + (0.2 - 0.4 / 3) ** 2) / 2)
+    assert math.isclose(diff["high"] - diff["mean"], T_975_DF2 * sd / math.sqrt(3), rel_tol=1e-9)
+    # two-sided p of t = 4 with 2 df: the t CDF with 2 df is 1/2 + t / (2 sqrt(2 + t^2))
+    assert math.isclose(diff["p_value"], 2 * (0.5 - 4 / (2 * math.sqrt(18))), rel_tol=1e-9)
+    step, mean, low, high = result["cells"]["a"]["curve"][0]  # every seed 0.3 at step 0: a band of width 0
+    assert step == 0 and math.isclose(mean, 0.3) and math.isclose(low, 0.3) and math.isclose(high, 0.3)
+    md = (sweep.out / "sweep.md").read_text()
+    assert "| a − b | 3 | 0.133 [" in md and (sweep.out / "curves.png").stat().st_size > 0
+    assert json.loads((sweep.out / "sweep.json").read_text())["cells"]["b"]["summary"]["final"]["n"] == 3
+
+
+def test_collapse_is_found_with_its_first_step_per_kind():
+    rule = CollapseSection(eval_drop=0.1, grad_norm_factor=10.0, entropy_floor=0.05)
+    rows = [{"step": 0, "eval/accuracy": 0.5}]
+    rows += [{"step": s, "policy/grad_norm": 1.0 + 0.1 * s, "policy/entropy": 1.0, "policy/skipped_nonfinite": 0.0}
+             for s in range(1, 13)]
+    rows[7]["policy/grad_norm"] = 30.0  # step 7: 30 > 10 × median(1.1 .. 1.5) = 13
+    rows[9]["policy/entropy"] = 0.01  # step 9
+    rows[11]["critic/skipped_nonfinite"] = 1.0  # step 11
+    rows += [{"step": 10, "eval/accuracy": 0.45}, {"step": 12, "eval/accuracy": 0.35}]  # 0.45 is within the margin
+    assert collapse(rows, "eval/accuracy", rule) == {"eval_drop": 12, "grad_blowup": 7, "nonfinite": 11, "entropy": 9,
+                                                      "any": 7}
+    calm = [r for r in rows if r["step"] < 7]
+    assert collapse(calm, "eval/accuracy", rule)["any"] is None
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"grid": {"algorithm.ppo.surrogate.eps_hgh": [0.2]}, "seeds": 2}, "did you mean algorithm.ppo.surrogate.eps_high"),
+    ({"grid": {}, "seeds": 2}, "the sweep has no cells"),
+    ({"grid": {"steps": []}, "seeds": 2}, "grid key steps has no values"),
+    ({"grid": {"steps": [2]}, "seeds": 1}, "a confidence interval needs at least 2"),
+    ({"cells": [{"name": "a"}], "seeds": 2, "compare": [["a", "z"]]}, "no cell named 'z'"),
+    ({"grid": {"steps": [0]}, "seeds": 2}, "cell steps=0"),
+])
+def test_a_bad_sweep_is_refused_before_any_run(tmp_path, spec, message):
+    path = write_sweep(tmp_path, **spec)
+    with pytest.raises((SweepError, ConfigError), match=message):
+        Sweep(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+SMALL = ["steps=3", "sft.steps=0", "checkpoint.every=1", "logging.eval_every=3", "data.eval_prompts_per_domain=8",
+         "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+
+
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_the_same_result(tmp_path, monkeypatch):
+    """One cell, two seeds, one run at a time: interrupted (SIGINT to the sweep and its run) once
+    the second seed's run has a checkpoint, then run again: the first seed's run is kept as it
+    was (one attempt), the second resumes from its checkpoint, and sweep.json equals that of an
+    uninterrupted sweep of the same file."""
+    path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=2,
+                       overrides=dict(item.split("=", 1) for item in SMALL), metrics=["policy/entropy"])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # every run: one device
+    env = dict(os.environ)
+    whole = run_sweep(Sweep(path, tmp_path / "whole"), echo=lambda _: None)
+    part = tmp_path / "part"
+    process = subprocess.Popen([sys.executable, "-m", "opd_jax.cli", "sweep", str(path), "--out", str(part)],
+                               env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not any((part / "a" / "seed1" / "checkpoints").glob("*")) and time.time() < deadline:
+        assert process.poll() is None, process.stdout.read().decode()
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)
+    output = process.communicate(timeout=120)[0].decode()
+    assert process.returncode != 0, output
+    assert json.loads((part / "a" / "seed1" / "run.json").read_text())["status"] != "finished", output
+    resumed = run_sweep(Sweep(path, part), echo=lambda _: None)
+    attempts = [json.loads((part / "a" / f"seed{s}" / "run.json").read_text())["attempts"] for s in (0, 1)]
+    assert len(attempts[0]) == 1 and len(attempts[1]) == 2 and attempts[1][1]["resumed_from"] is not None
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
+    assert whole["cells"]["a"]["summary"]["final"]["n"] == 2
