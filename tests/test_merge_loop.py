@@ -108,7 +108,8 @@ def test_sharded_merge_equals_the_unsharded_merge(models, sharded_run, tmp_path)
     assert_updates_close(student_params(sharded_run), student_params(single), start)
     # the merge moved the student, toward teachers that disagree with it
     assert max(np.abs(np.asarray(x) - np.asarray(y)).max() for x, y in zip(student_params(sharded_run), start)) > 1e-3
-    assert all(a[1][f"opd/reverse_kl/{d}"] > 0 for d in DOMAINS if f"opd/reverse_kl/{d}" in a[1])
+    # the batch's sampled reverse KL is positive; a domain's, from its few rows, may not be (an estimate)
+    assert a[1]["opd/reverse_kl"] > 0 and any(a[1][f"opd/reverse_kl/{d}"] > 0 for d in DOMAINS if f"opd/reverse_kl/{d}" in a[1])
 
 
 def test_report(sharded_run):

@@ -55,6 +55,11 @@ class RolloutBatch:
     pack_offset: jax.Array | None = None
     packing: tuple[int, int, int] | None = flax.struct.field(pytree_node=False, default=None)
 
+    def unpacked(self) -> RolloutBatch:
+        """The batch without its packing plan (forwards on padded rows): for a pass that takes
+        arbitrary subsets of rows, which would cut the plan's groups."""
+        return self.replace(pack_row=None, pack_offset=None, packing=None)
+
     @property
     def positions(self) -> jax.Array:
         """Position ids counted over real tokens (0, 1, ... from each row's first real token)."""

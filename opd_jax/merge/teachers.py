@@ -110,7 +110,7 @@ class LocalTeachers:
         return self._granule * (1 << max(0, math.ceil(math.log2(math.ceil(n / self._granule)))))
 
     def score(self, batch: RolloutBatch, teacher_index: np.ndarray) -> dict[str, np.ndarray]:
-        host = jax.tree.map(np.asarray, batch)
+        host = jax.tree.map(np.asarray, batch.unpacked())  # each teacher's rows are no packing group
         B, T = host.tokens.shape
         loss, k = self.options["loss"], self.options["top_k"]
         out = {"logp_teacher": np.zeros((B, T), np.float32)}
