@@ -117,9 +117,10 @@ class EmbeddedEngine:
 
     async def _stream_continuous(self, live: Sequence[Request], began: float) -> AsyncIterator[Completion]:
         loop = asyncio.get_running_loop()
+        for request in live:  # all checked before any is queued
+            self.sampler.check(request.prompt_ids, request.params, f"request {request.request_id}")
         futures = []
         for request, key in zip(live, self._keys(live)):
-            self.sampler.check(request.prompt_ids, request.params, f"request {request.request_id}")
             futures.append(loop.create_future())
             self._queue.append((request, key, futures[-1]))
         self._drive()
