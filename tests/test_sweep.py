@@ -100,6 +100,8 @@ def test_collapse_is_found_with_its_first_step_per_kind():
     ({"grid": {"steps": [2]}, "seeds": 1}, "a confidence interval needs at least 2"),
     ({"cells": [{"name": "a"}], "seeds": 2, "compare": [["a", "z"]]}, "no cell named 'z'"),
     ({"grid": {"steps": [0]}, "seeds": 2}, "cell steps=0"),
+    ({"axes": {"engine": {}}, "seeds": 2}, "axis engine has no labels"),
+    ({"axes": {"engine": {"bf16": {"rollout.dtyp": "bfloat16"}}}, "seeds": 2}, "(?s)cell engine=bf16: .*did you mean rollout.dtype"),
 ])
 def test_a_bad_sweep_is_refused_before_any_run(tmp_path, spec, message):
     path = write_sweep(tmp_path, **spec)
@@ -138,3 +140,55 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     assert len(attempts[0]) == 1 and len(attempts[1]) == 2 and attempts[1][1]["resumed_from"] is not None
     assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
     assert whole["cells"]["a"]["summary"]["final"]["n"] == 2
+
+
+def test_axes_name_their_cells_and_a_shared_warm_start_is_one_per_distinct_warm_start(tmp_path):
+    """A grid key and a named axis multiply; each label's overrides land together. Cells that
+    differ only in RL settings share a seed's warm start; a different model needs its own."""
+    path = write_sweep(tmp_path, grid={"algorithm.ppo.surrogate.eps_high": [0.2, 0.28]}, seeds=[3, 4],
+                       axes={"engine": {"bf16": {"rollout.dtype": "bfloat16"},
+                                        "wide": {"rollout.dtype": "bfloat16", "model.fresh.hidden_size": 128}}},
+                       warm_start="shared", overrides={"sft.steps": 2})
+    sweep = Sweep(path, tmp_path / "out")
+    assert [name for name, _ in sweep.cells] == ["eps_high=0.2,engine=bf16", "eps_high=0.2,engine=wide",
+                                                 "eps_high=0.28,engine=bf16", "eps_high=0.28,engine=wide"]
+    assert sweep.cells[1][1] == {"algorithm.ppo.surrogate.eps_high": 0.2, "rollout.dtype": "bfloat16",
+                                 "model.fresh.hidden_size": 128}
+    warm = sweep.warm_starts
+    assert warm["eps_high=0.2,engine=bf16", 3] == warm["eps_high=0.28,engine=bf16", 3]
+    assert warm["eps_high=0.2,engine=bf16", 3] != warm["eps_high=0.2,engine=bf16", 4]  # seeds differ
+    assert warm["eps_high=0.2,engine=bf16", 3] != warm["eps_high=0.2,engine=wide", 3]  # models differ
+    assert len(set(warm.values())) == 4
+    command = sweep.command(*sweep.cells[0], 3)
+    start = command.index("model.fresh=null")  # after the seed's model.fresh.seed, so the warm start's model wins
+    assert command.index("model.fresh.seed=3") < start
+    assert command[start:start + 3] == ["model.fresh=null", f"model.path={warm['eps_high=0.2,engine=bf16', 3] / 'sft_policy'}",
+                                        "sft.steps=0"]
+    (tmp_path / "b").mkdir()
+    per_run = Sweep(write_sweep(tmp_path / "b", cells=[{"name": "a"}], seeds=2, overrides={"sft.steps": 2}), tmp_path / "o")
+    assert per_run.warm_starts == {} and "sft.steps=0" not in per_run.command("a", {}, 0)
+
+
+def test_a_run_from_the_shared_warm_start_trains_as_one_that_warms_itself(tmp_path, monkeypatch):
+    """The shared warm start (`opd-jax sft`, once per seed) and a run that warms itself up end in
+    the same policy: the sweep's run reaches the held-out accuracies and the rewards of the same
+    run made in-process with its own warm start."""
+    from opd_jax.train import read_metrics, train
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    small = [*(s for s in SMALL if not s.startswith("sft.steps")), "sft.steps=3", "logging.eval_every=1"]
+    path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=[0, 1], warm_start="shared",
+                       overrides=dict(item.split("=", 1) for item in small))
+    sweep = Sweep(path, tmp_path / "out")
+    run_sweep(sweep, jobs=2, echo=lambda _: None)
+    warm = sorted((tmp_path / "out" / "_warm_start").glob("*/sft_policy"))
+    assert len(warm) == 2
+    for seed in (0, 1):
+        assert load_config(sweep.run_dir("a", seed) / "config.yaml").model.path == str(sweep.warm_starts["a", seed] / "sft_policy")
+    reference = tmp_path / "reference"
+    train(load_config(sweep.base, [*sweep.overrides({}, 1), f"logging.run_dir={reference}"]))
+    ours, theirs = (read_metrics(d / "metrics.jsonl") for d in (sweep.run_dir("a", 1), reference))
+    assert [r.get("eval/accuracy") for r in ours] == [r.get("eval/accuracy") for r in theirs]
+    assert [r.get("reward_mean") for r in ours] == [r.get("reward_mean") for r in theirs]
+    np_close = [abs(a["policy/loss"] - b["policy/loss"]) < 1e-4 for a, b in zip(ours, theirs) if "policy/loss" in a]
+    assert np_close and all(np_close)

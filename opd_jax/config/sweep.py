@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -42,6 +42,10 @@ class SweepConfig(Section):
     """Dotted overrides for every cell."""
     grid: dict[str, list[Any]] = {}
     """Dotted key: values; the cells are their Cartesian product (named key=value,...)."""
+    axes: dict[str, dict[str, dict[str, Any]]] = {}
+    """Named axes, each {label: dotted overrides}: a setting that takes several keys (an engine, a
+    model) as one grid value. The cells are the product of the grid's values and every axis's
+    labels (named key=value,...,axis=label,...)."""
     cells: list[CellSpec] = []
     """Named cells, besides (or instead of) the grid's."""
     seeds: int | list[int] = 3
@@ -51,23 +55,31 @@ class SweepConfig(Section):
     eval_metric: str = "eval/accuracy"
     """The held-out metric: final, best and gain over its first evaluation, per cell."""
     metrics: list[str] = []
-    """Training metrics aggregated per cell (their value at the last step that logged them)."""
+    """Training metrics aggregated per cell (each run's mean over the steps that logged them)."""
     compare: list[tuple[str, str]] = []
     """Pairs of cells [a, b]: the paired difference a − b of the final held-out metric over the seeds both ran."""
     confidence: float = Field(0.95, gt=0, lt=1)
     """Level of every interval (Student's t over seeds)."""
     collapse: CollapseSection = CollapseSection()
     """When a run counts as collapsed."""
+    warm_start: Literal["per_run", "shared"] = "per_run"
+    """per_run: every run does the base config's supervised warm start itself. shared: each distinct
+    warm start (same model, data, sft settings and seed) runs once (`opd-jax sft`, in
+    <out>/_warm_start/) and the runs that need it start from its model: paid once per seed, and
+    cells that differ only in RL settings start from the same policy."""
     out: Path | None = None
     """Where the runs and the results go (default: runs/sweeps/<sweep file's name>)."""
 
     @model_validator(mode="after")
     def _check(self) -> SweepConfig:
-        if not self.grid and not self.cells:
-            raise ValueError("the sweep has no cells: give a grid, cells, or both")
+        if not self.grid and not self.axes and not self.cells:
+            raise ValueError("the sweep has no cells: give a grid, axes, cells, or a mix")
         empty = [k for k, v in self.grid.items() if not v]
         if empty:
             raise ValueError(f"grid key {empty[0]} has no values")
+        empty = [k for k, v in self.axes.items() if not v]
+        if empty:
+            raise ValueError(f"axis {empty[0]} has no labels")
         if len(self.seed_list) < 2:
             raise ValueError(f"seeds: {len(self.seed_list)} seed(s); a confidence interval needs at least 2")
         names = [name for name, _ in self.cell_overrides()]
@@ -84,12 +96,19 @@ class SweepConfig(Section):
         return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
 
     def cell_overrides(self) -> list[tuple[str, dict[str, Any]]]:
-        """(name, overrides) of every cell: the grid's, in order, then the named ones."""
+        """(name, overrides) of every cell: the product of the grid and the axes, in order, then the
+        named ones."""
         cells = []
-        keys = list(self.grid)
-        for values in itertools.product(*(self.grid[k] for k in keys)):
-            name = ",".join(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in zip(keys, values))
-            cells.append((re.sub(r"[^\w.,=+-]", "_", name), dict(zip(keys, values))))
+        if self.grid or self.axes:
+            keys = list(self.grid)
+            for values in itertools.product(*(self.grid[k] for k in keys), *(self.axes[a].items() for a in self.axes)):
+                plain, labelled = values[:len(keys)], values[len(keys):]
+                name = ",".join([*(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in zip(keys, plain)),
+                                 *(f"{axis}={label}" for axis, (label, _) in zip(self.axes, labelled))])
+                overrides = dict(zip(keys, plain))
+                for _, extra in labelled:
+                    overrides.update(extra)
+                cells.append((re.sub(r"[^\w.,=+-]", "_", name), overrides))
         return cells + [(c.name, dict(c.overrides)) for c in self.cells]
 
 

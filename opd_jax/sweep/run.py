@@ -2,7 +2,9 @@
 time, each in its own run directory (<out>/<cell>/seed<k>), then the aggregate.
 
 Resumable: a run whose run.json says finished is kept as it is; one with checkpoints continues
-from the last (`--resume`); anything else starts over. Every cell's config is resolved before a
+from the last (`--resume`); anything else starts over. With `warm_start: shared` each distinct
+warm start runs once first (<out>/_warm_start/<key>, kept once finished) and its runs start from
+its model. Every cell's config is resolved before a
 single run starts, so a bad key or value stops the sweep with one line naming the cell. A run
 that fails is reported with its log (<out>/<cell>/seed<k>.log) and left out of the aggregate;
 the others go on.
@@ -11,6 +13,7 @@ the others go on.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import math
 import subprocess
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from opd_jax.config import ConfigError, load_config
+from opd_jax.config import ConfigError, TrainConfig, load_config, to_plain
 from opd_jax.config.sweep import SweepConfig
 from opd_jax.errors import OpdJaxError
 from opd_jax.sweep import stats
@@ -43,14 +46,31 @@ class Sweep:
         self.base = (path.parent / self.config.base).resolve()
         self.out = Path(out or self.config.out or Path("runs") / "sweeps" / path.stem).resolve()
         self.cells = self.config.cell_overrides()
+        self.warm_starts: dict[tuple[str, int], Path] = {}  # (cell, seed) -> its shared warm start
         for name, overrides in self.cells:  # every cell must resolve before anything runs
-            try:
-                load_config(self.base, self.overrides(overrides, self.config.seed_list[0]))
-            except ConfigError as e:
-                raise SweepError(f"cell {name}: {e}") from None
+            for seed in self.config.seed_list:
+                try:
+                    config = load_config(self.base, self.overrides(overrides, seed))
+                except ConfigError as e:
+                    raise SweepError(f"cell {name}: {e}") from None
+                if self.config.warm_start == "shared" and config.sft.steps > 0:
+                    self.warm_starts[name, seed] = self.out / "_warm_start" / _warm_start_key(config)
 
     def overrides(self, cell: dict[str, Any], seed: int) -> list[str]:
         return [*_dotted(self.config.overrides), *_dotted(cell), *(f"{k}={seed}" for k in self.config.seed_keys)]
+
+    def warm_start_commands(self, runs: list[tuple[str, int]]) -> dict[Path, list[str]]:
+        """The `opd-jax sft` command of every shared warm start these (cell, seed) runs need that is
+        not finished yet, by its directory."""
+        commands = {}
+        cells = dict(self.cells)
+        for name, seed in runs:
+            where = self.warm_starts.get((name, seed))
+            if where is not None and where not in commands and _manifest(where).get("status") != "finished":
+                commands[where] = [sys.executable, "-m", "opd_jax.cli", "sft", str(self.base),
+                                   *self.overrides(cells[name], seed), f"logging.run_dir={where}",
+                                   "logging.progress_bar=false"]
+        return commands
 
     def run_dir(self, cell: str, seed: int) -> Path:
         return self.out / cell / f"seed{seed}"
@@ -62,8 +82,27 @@ class Sweep:
         if manifest.get("status") == "finished":
             return None
         resume = any((run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").is_dir() else False
-        return [sys.executable, "-m", "opd_jax.cli", "train", str(self.base), *self.overrides(overrides, seed),
+        warm = self.warm_starts.get((cell, seed))
+        start = [] if warm is None else ["model.fresh=null", f"model.path={warm / 'sft_policy'}", "sft.steps=0"]
+        return [sys.executable, "-m", "opd_jax.cli", "train", str(self.base), *self.overrides(overrides, seed), *start,
                 f"logging.run_dir={run_dir}", "logging.progress_bar=false", *(["--resume"] if resume else [])]
+
+
+def _warm_start_key(config: TrainConfig) -> str:
+    """What a warm start depends on (the model, the data and its seed, the sft settings, how an
+    episode's turns are cut), hashed: runs with the same key share one."""
+    plain = to_plain(config)
+    inputs = {"model": plain["model"], "data": plain["data"], "sft": plain["sft"], "mesh": plain["mesh"],
+              "max_new_tokens": plain["rollout"]["max_new_tokens"], "episodes": plain["rollout"]["episodes"]}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _execute(command: list[str], run_dir: Path) -> int:
+    """Run one command, its output appended to <run_dir>.log; its exit status."""
+    log = run_dir.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as out:
+        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
 
 
 def _manifest(run_dir: Path) -> dict[str, Any]:
@@ -84,14 +123,21 @@ def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
     echo(f"sweep {sweep.out}: {len(sweep.cells)} cells x {len(sweep.config.seed_list)} seeds, "
          f"{total - len(todo)} runs finished, {len(todo)} to run ({jobs} at a time)")
     failed = []
+    warm = sweep.warm_start_commands([(cell, seed) for cell, _, seed, _ in todo])
+    if warm:
+        echo(f"  {len(warm)} shared warm start(s) first")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for where, status in zip(warm, pool.map(lambda item: _execute(*item), ((c, w) for w, c in warm.items()))):
+            if status != 0:
+                failed.append(f"warm start {where.name} ({where.with_suffix('.log')})")
+    broken = {w for w in warm if _manifest(w).get("status") != "finished"}
+    skipped = [(cell, seed) for cell, _, seed, _ in todo if sweep.warm_starts.get((cell, seed)) in broken]
+    failed += [f"{cell} seed {seed} (its warm start failed)" for cell, seed in skipped]
+    todo = [item for item in todo if (item[0], item[2]) not in skipped]
 
     def launch(item) -> tuple[str, int, int]:
         cell, _, seed, command = item
-        log = sweep.run_dir(cell, seed).with_suffix(".log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("a") as out:
-            status = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
-        return cell, seed, status
+        return cell, seed, _execute(command, sweep.run_dir(cell, seed))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         for cell, seed, status in pool.map(launch, todo):

@@ -1,6 +1,6 @@
 """What a sweep's runs say, with their uncertainty: per cell, the held-out metric (final, best,
 gain over the first evaluation) and chosen training metrics as mean with a Student's t
-interval over seeds (SciPy); paired differences between cells over the seeds both ran; per
+interval over seeds (SciPy; a training metric is first averaged over its run's steps); paired differences between cells over the seeds both ran; per
 run, whether and when training collapsed. Reads run directories, writes nothing."""
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def collapse(rows: Sequence[dict[str, float]], eval_metric: str, rule: CollapseS
 def run_summary(rows: Sequence[dict[str, float]], eval_metric: str, metrics: Sequence[str],
                 rule: CollapseSection) -> dict[str, Any]:
     """One run's figures: the held-out metric's first, final and best values and the gain
-    final − first, each training metric's last logged value, and its collapse steps."""
+    final − first, each training metric's mean over the steps that logged it, and its collapse
+    steps."""
     evals = [(int(r["step"]), r[eval_metric]) for r in rows if eval_metric in r]
     out: dict[str, Any] = {"steps": max((int(r["step"]) for r in rows), default=0)}
     if evals:
@@ -76,7 +77,7 @@ def run_summary(rows: Sequence[dict[str, float]], eval_metric: str, metrics: Seq
                    gain=evals[-1][1] - evals[0][1], first_step=evals[0][0], curve=evals)
     for name in metrics:
         logged = [r[name] for r in rows if name in r]
-        out[name] = logged[-1] if logged else math.nan
+        out[name] = float(np.mean(logged)) if logged else math.nan
     out["collapse"] = collapse(rows, eval_metric, rule)
     return out
 
