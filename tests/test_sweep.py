@@ -115,11 +115,11 @@ SMALL = ["steps=3", "sft.steps=0", "checkpoint.every=1", "logging.eval_every=3",
 
 
 def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_the_same_result(tmp_path, monkeypatch):
-    """One cell, two seeds, one run at a time: interrupted (SIGINT to the sweep and its run) once
-    the second seed's run has a checkpoint, then run again: the first seed's run is kept as it
-    was (one attempt), the second resumes from its checkpoint, and sweep.json equals that of an
-    uninterrupted sweep of the same file."""
-    path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=2,
+    """One cell, three seeds, one run at a time: interrupted (SIGINT to the sweep and its run) once
+    the second seed's run has a checkpoint: the third, still queued, never starts. Run again: the
+    first seed's run is kept as it was (one attempt), the second resumes from its checkpoint, the
+    third runs, and sweep.json equals that of an uninterrupted sweep of the same file."""
+    path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=3,
                        overrides=dict(item.split("=", 1) for item in SMALL), metrics=["policy/entropy"])
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # every run: one device
     env = dict(os.environ)
@@ -135,11 +135,12 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     output = process.communicate(timeout=120)[0].decode()
     assert process.returncode != 0, output
     assert json.loads((part / "a" / "seed1" / "run.json").read_text())["status"] != "finished", output
+    assert not (part / "a" / "seed2").exists(), output
     resumed = run_sweep(Sweep(path, part), echo=lambda _: None)
-    attempts = [json.loads((part / "a" / f"seed{s}" / "run.json").read_text())["attempts"] for s in (0, 1)]
-    assert len(attempts[0]) == 1 and len(attempts[1]) == 2 and attempts[1][1]["resumed_from"] is not None
+    attempts = [json.loads((part / "a" / f"seed{s}" / "run.json").read_text())["attempts"] for s in (0, 1, 2)]
+    assert [len(a) for a in attempts] == [1, 2, 1] and attempts[1][1]["resumed_from"] is not None
     assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
-    assert whole["cells"]["a"]["summary"]["final"]["n"] == 2
+    assert whole["cells"]["a"]["summary"]["final"]["n"] == 3
 
 
 def test_axes_name_their_cells_and_a_shared_warm_start_is_one_per_distinct_warm_start(tmp_path):

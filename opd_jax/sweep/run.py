@@ -13,11 +13,14 @@ the others go on.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import math
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,11 @@ class Sweep:
                                    "logging.progress_bar=false"]
         return commands
 
+    @property
+    def cache(self) -> Path:
+        """The sweep's persistent compilation cache (see `_execute`)."""
+        return self.out / "_jax_cache"
+
     def run_dir(self, cell: str, seed: int) -> Path:
         return self.out / cell / f"seed{seed}"
 
@@ -97,12 +105,29 @@ def _warm_start_key(config: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _execute(command: list[str], run_dir: Path) -> int:
-    """Run one command, its output appended to <run_dir>.log; its exit status."""
+@contextlib.contextmanager
+def _pool(jobs: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    """A pool of `jobs` threads that, on Ctrl-C, starts none of the runs still queued (a plain
+    executor's exit would wait for all of them) and waits for the running ones, which got the
+    signal too and stop at a step boundary."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _execute(command: list[str], run_dir: Path, cache: Path) -> int:
+    """Run one command, its output appended to <run_dir>.log; its exit status. The runs of a sweep
+    compile the same programs: a persistent compilation cache they share (unless the caller's
+    environment names one) spares all but the first their compiles."""
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **os.environ}
     with log.open("a") as out:
-        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
 
 
 def _manifest(run_dir: Path) -> dict[str, Any]:
@@ -126,8 +151,9 @@ def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
     warm = sweep.warm_start_commands([(cell, seed) for cell, _, seed, _ in todo])
     if warm:
         echo(f"  {len(warm)} shared warm start(s) first")
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for where, status in zip(warm, pool.map(lambda item: _execute(*item), ((c, w) for w, c in warm.items()))):
+    with _pool(jobs) as pool:
+        statuses = pool.map(lambda where: _execute(warm[where], where, sweep.cache), warm)
+        for where, status in zip(warm, statuses):
             if status != 0:
                 failed.append(f"warm start {where.name} ({where.with_suffix('.log')})")
     broken = {w for w in warm if _manifest(w).get("status") != "finished"}
@@ -137,9 +163,9 @@ def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
 
     def launch(item) -> tuple[str, int, int]:
         cell, _, seed, command = item
-        return cell, seed, _execute(command, sweep.run_dir(cell, seed))
+        return cell, seed, _execute(command, sweep.run_dir(cell, seed), sweep.cache)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    with _pool(jobs) as pool:
         for cell, seed, status in pool.map(launch, todo):
             echo(f"  {cell} seed {seed}: {'finished' if status == 0 else f'failed (exit {status})'}")
             if status != 0:
