@@ -139,8 +139,20 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     resumed = run_sweep(Sweep(path, part), echo=lambda _: None)
     attempts = [json.loads((part / "a" / f"seed{s}" / "run.json").read_text())["attempts"] for s in (0, 1, 2)]
     assert [len(a) for a in attempts] == [1, 2, 1] and attempts[1][1]["resumed_from"] is not None
-    assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
+    assert json.dumps(untimed(resumed), sort_keys=True) == json.dumps(untimed(whole), sort_keys=True)
     assert whole["cells"]["a"]["summary"]["final"]["n"] == 3
+    walls = [r["wall_s"] for r in whole["cells"]["a"]["runs"].values()]
+    assert all(0 < w < 600 for w in walls) and whole["cells"]["a"]["summary"]["wall_s"]["n"] == 3
+
+
+def untimed(result: dict) -> dict:
+    """A sweep's result without its wall times (what this machine took, not what the runs found)."""
+    result = json.loads(json.dumps(result))
+    for cell in result["cells"].values():
+        cell["summary"].pop("wall_s")
+        for run in cell["runs"].values():
+            run.pop("wall_s")
+    return result
 
 
 def test_axes_name_their_cells_and_a_shared_warm_start_is_one_per_distinct_warm_start(tmp_path):
@@ -193,3 +205,25 @@ def test_a_run_from_the_shared_warm_start_trains_as_one_that_warms_itself(tmp_pa
     assert [r.get("reward_mean") for r in ours] == [r.get("reward_mean") for r in theirs]
     np_close = [abs(a["policy/loss"] - b["policy/loss"]) < 1e-4 for a, b in zip(ours, theirs) if "policy/loss" in a]
     assert np_close and all(np_close)
+
+
+def test_a_reduced_copy_keeps_the_named_values_and_the_comparisons_among_them(tmp_path):
+    """Experiment 1's sweep file cut to two labels of each axis, two seeds and two steps: four
+    cells plus the named f32 control, the overrides on top, only the comparisons whose cells are
+    left; a key to keep that the sweep does not have is refused."""
+    from opd_jax.sweep import reduced
+
+    source = Path(__file__).parents[1] / "configs" / "sweeps" / "mismatch_sources.yaml"
+    small = reduced(source, tmp_path / "small", seeds=[7, 8], overrides={"steps": 2},
+                    keep={"source": ["bf16", "int4"], "correction": ["none", "icepop"]})
+    assert [name for name, _ in small.cells] == ["source=bf16,correction=none", "source=bf16,correction=icepop",
+                                                 "source=int4,correction=none", "source=int4,correction=icepop",
+                                                 "source=f32,correction=none"]
+    assert small.config.seed_list == [7, 8] and small.config.overrides["steps"] == 2
+    assert small.config.overrides["algorithm.policy_optimizer.learning_rate"] == 5e-4  # the original's stay
+    assert small.config.compare == [("source=bf16,correction=icepop", "source=bf16,correction=none"),
+                                    ("source=int4,correction=icepop", "source=int4,correction=none"),
+                                    ("source=int4,correction=none", "source=f32,correction=none")]
+    assert small.out == (tmp_path / "small").resolve() and small.base == source.parent.parent / "quickstart.yaml"
+    with pytest.raises(SweepError, match="no grid key or axis 'engine'"):
+        reduced(source, tmp_path / "other", keep={"engine": ["bf16"]})

@@ -1,6 +1,7 @@
 """Seeded experiment sweeps: cells × seeds as independent training runs, aggregated with
-confidence intervals (`run_sweep`, `aggregate`; the `opd-jax sweep` command)."""
+confidence intervals (`run_sweep`, `aggregate`; the `opd-jax sweep` command); `reduced` makes a
+small copy of a sweep file (fewer seeds and cells, shorter runs)."""
 
-from opd_jax.sweep.run import Sweep, SweepError, aggregate, run_sweep
+from opd_jax.sweep.run import Sweep, SweepError, aggregate, reduced, run_sweep
 
-__all__ = ["Sweep", "SweepError", "aggregate", "run_sweep"]
+__all__ = ["Sweep", "SweepError", "aggregate", "reduced", "run_sweep"]

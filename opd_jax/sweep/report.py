@@ -22,13 +22,13 @@ def markdown(result: dict[str, Any]) -> str:
     metric = result["eval_metric"]
     lines = [f"# Sweep over {result['base']}", "",
              f"Seeds {result['seeds']}; mean [{level} Student's t interval] over the seeds that finished.", "",
-             f"| cell | runs | first {metric} | final | best | gain (final − first) | collapsed |"
+             f"| cell | runs | first {metric} | final | best | gain (final − first) | collapsed | wall s |"
              + "".join(f" {m} |" for m in result["metrics"]),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(result["metrics"])]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(result["metrics"])]
     for name, cell in result["cells"].items():
         s = cell["summary"]
         lines.append(f"| {name} | {s['final']['n']} | {_ci(s['first'])} | {_ci(s['final'])} | {_ci(s['best'])} | "
-                     f"{_ci(s['gain'])} | {s['collapse']['any']:.0%} |" + "".join(f" {_ci(s[m], 4)} |"
+                     f"{_ci(s['gain'])} | {s['collapse']['any']:.0%} | {_ci(s['wall_s'], 0)} |" + "".join(f" {_ci(s[m], 4)} |"
                                                                           for m in result["metrics"]))
     if result["comparisons"]:
         lines += ["", f"Paired differences of the final {metric} (same seeds):", "",

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from opd_jax.config import ConfigError, TrainConfig, load_config, to_plain
 from opd_jax.config.sweep import SweepConfig
 from opd_jax.errors import OpdJaxError
@@ -96,6 +98,36 @@ class Sweep:
                 f"logging.run_dir={run_dir}", "logging.progress_bar=false", *(["--resume"] if resume else [])]
 
 
+def reduced(path: str | Path, out: str | Path, *, seeds: int | list[int] = 2, overrides: dict[str, Any] | None = None,
+            keep: dict[str, list[Any]] | None = None, cells: dict[str, dict[str, Any]] | None = None) -> Sweep:
+    """A smaller copy of the sweep file at `path`, written to <out>.yaml, its runs in `out`: other
+    `seeds`, extra `overrides` for every cell, only the grid values / axis labels named in `keep`
+    (by grid key or axis name; values compared as strings), `cells` in place of its named cells
+    when given, and only the comparisons whose cells remain. The notebooks' test size; a
+    smoke test of a sweep before its hours-long run."""
+    path, out = Path(path), Path(out)
+    spec = yaml.safe_load(path.read_text())
+    spec.update(base=str((path.parent / spec["base"]).resolve()), seeds=seeds, out=None)
+    spec["overrides"] = {**spec.get("overrides", {}), **(overrides or {})}
+    for key, wanted in (keep or {}).items():
+        where = "axes" if key in spec.get("axes", {}) else "grid"
+        if key not in spec.get(where, {}):
+            raise SweepError(f"{path}: no grid key or axis {key!r} to keep values of")
+        values = spec[where][key]
+        spec[where][key] = ({k: v for k, v in values.items() if str(k) in map(str, wanted)} if where == "axes"
+                            else [v for v in values if str(v) in map(str, wanted)])
+    if cells is not None:
+        spec["cells"] = [{"name": name, "overrides": o} for name, o in cells.items()]
+    compare = spec.pop("compare", [])
+    small = out.with_suffix(".yaml")
+    small.parent.mkdir(parents=True, exist_ok=True)
+    small.write_text(yaml.safe_dump(spec, sort_keys=False))
+    names = {name for name, _ in Sweep(small, out).cells}
+    spec["compare"] = [pair for pair in compare if set(pair) <= names]
+    small.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return Sweep(small, out)
+
+
 def _warm_start_key(config: TrainConfig) -> str:
     """What a warm start depends on (the model, the data and its seed, the sft settings, how an
     episode's turns are cut), hashed: runs with the same key share one."""
@@ -128,6 +160,14 @@ def _execute(command: list[str], run_dir: Path, cache: Path) -> int:
     env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **os.environ}
     with log.open("a") as out:
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _wall_seconds(run_dir: Path) -> float:
+    """The run's wall time over all its attempts (wall_time.json's phases; NaN if it has none)."""
+    try:
+        return float(sum(json.loads((run_dir / "wall_time.json").read_text()).values()))
+    except (OSError, json.JSONDecodeError, TypeError):
+        return math.nan
 
 
 def _manifest(run_dir: Path) -> dict[str, Any]:
@@ -190,6 +230,7 @@ def aggregate(sweep: Sweep) -> dict[str, Any]:
             if _manifest(run_dir).get("status") == "finished":
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
                 runs[seed] = stats.run_summary(rows, config.eval_metric, config.metrics, config.collapse)
+                runs[seed]["wall_s"] = _wall_seconds(run_dir)
         cells[name] = {"overrides": overrides, "runs": runs,
                        "summary": stats.cell_summary(runs, config.metrics, config.confidence),
                        "curve": stats.curve_band(runs, config.confidence)}
