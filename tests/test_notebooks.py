@@ -47,10 +47,25 @@ def test_mismatch_notebook(tmp_path, monkeypatch):
 
 
 def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
+    """Both steps at test size: a rate chosen per method and domain from the validation seeds'
+    runs, the fresh runs at the chosen rates (2 seeds, 2 steps), every figure in its range, the
+    paired comparisons made, and the compute of each method counted."""
     summary = run_notebook("ppo_vs_grpo", tmp_path, monkeypatch)
-    assert set(summary) == {"long_count / gae", "long_count / grpo", "addition / gae", "addition / grpo"}
-    for values in summary.values():
-        assert all(0 <= v <= 1 for v in values.values())
+    assert summary["chosen"]["long"] == {"critic": 5e-4, "grpo": 5e-4}  # the one rate tried there
+    assert set(summary["chosen"]["short"]) == {"critic", "grpo"} and set(summary["chosen"]["short"].values()) <= {5e-4, 1e-3}
+    assert set(summary["fresh"]["long"]) == {"critic", "grpo"} and set(summary["fresh"]["short"]) == {"critic", "grpo", "rloo"}
+    for domain, cells in summary["fresh"].items():
+        for name, cell in cells.items():
+            assert cell["seeds"] == 2 and 0 <= cell["first"] <= 1 and 0 <= cell["final"] <= 1, (domain, name, cell)
+            assert cell["tokens"] > 0 and cell["wall_s"] > 0, (domain, name, cell)
+    assert set(summary["comparisons"]["long"]) == {"critic - grpo"}
+    assert set(summary["comparisons"]["short"]) == {"critic - grpo", "rloo - grpo"}
+    # per episode a maze takes many turns, a short answer a few tokens: 2 steps x 2 mazes x 4 episodes
+    # against 2 steps x 4 prompts x 4 samples
+    long, short = summary["fresh"]["long"]["grpo"]["tokens"] / 16, summary["fresh"]["short"]["grpo"]["tokens"] / 32
+    assert long > 3 * short, (long, short)
+    # the critic's runs sample as many tokens as GRPO's: the same rollouts, a second model to train
+    assert summary["fresh"]["short"]["critic"]["tokens"] > 0.5 * summary["fresh"]["short"]["grpo"]["tokens"]
     assert (tmp_path / "curves.png").exists()
 
 

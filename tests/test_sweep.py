@@ -25,9 +25,12 @@ from opd_jax.sweep.stats import collapse
 T_975_DF2 = 4.302652729911275  # Student's t, 97.5% quantile, 2 degrees of freedom (tables)
 
 
-def fake_run(run_dir: Path, evals: dict[int, float], extra: dict[int, dict[str, float]] | None = None) -> None:
-    """A finished run directory whose metrics.jsonl holds these evaluations (and training rows)."""
+def fake_run(run_dir: Path, evals: dict[int, float], extra: dict[int, dict[str, float]] | None = None,
+             steps: int = 2) -> None:
+    """A finished run directory of `steps` steps whose metrics.jsonl holds these evaluations (and
+    training rows)."""
     run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"steps: {steps}\n")
     rows = {s: {"step": s} for s in sorted({*evals, *(extra or {})})}
     for s, v in evals.items():
         rows[s]["eval/accuracy"] = v
@@ -53,7 +56,7 @@ def test_the_aggregate_equals_hand_computed_intervals_and_paired_differences(tmp
     for cell, values in finals.items():
         for seed, v in enumerate(values):
             fake_run(sweep.run_dir(cell, seed), {0: 0.3, 10: 0.2 + seed * 0.1, 20: v},
-                     {20: {"policy/entropy": 1.0 + seed}})
+                     {20: {"policy/entropy": 1.0 + seed}}, steps=sweep.steps[cell, seed])
     result = aggregate(sweep)
     final = result["cells"]["a"]["summary"]["final"]
     half = T_975_DF2 * 0.1 / math.sqrt(3)  # sd of [0.5, 0.7, 0.6] is 0.1
@@ -227,3 +230,17 @@ def test_a_reduced_copy_keeps_the_named_values_and_the_comparisons_among_them(tm
     assert small.out == (tmp_path / "small").resolve() and small.base == source.parent.parent / "quickstart.yaml"
     with pytest.raises(SweepError, match="no grid key or axis 'engine'"):
         reduced(source, tmp_path / "other", keep={"engine": ["bf16"]})
+
+
+def test_raising_steps_resumes_the_finished_runs_and_leaves_them_out_until_they_have_trained(tmp_path):
+    """A finished run of 20 steps in a sweep that now asks for 30 is resumed (`--resume`), and its
+    figures wait for the longer run; a run already at 30 stays finished."""
+    path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=2, overrides={"steps": 30})
+    sweep = Sweep(path, tmp_path / "out")
+    fake_run(sweep.run_dir("a", 0), {0: 0.3, 20: 0.5}, steps=20)
+    fake_run(sweep.run_dir("a", 1), {0: 0.3, 30: 0.6}, steps=30)
+    (sweep.run_dir("a", 0) / "checkpoints" / "20").mkdir(parents=True)
+    command = sweep.command("a", {}, 0)
+    assert command is not None and command[-1] == "--resume" and "steps=30" in command
+    assert sweep.command("a", {}, 1) is None
+    assert list(aggregate(sweep)["cells"]["a"]["runs"]) == ["1"]

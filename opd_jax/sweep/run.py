@@ -52,12 +52,14 @@ class Sweep:
         self.out = Path(out or self.config.out or Path("runs") / "sweeps" / path.stem).resolve()
         self.cells = self.config.cell_overrides()
         self.warm_starts: dict[tuple[str, int], Path] = {}  # (cell, seed) -> its shared warm start
+        self.steps: dict[tuple[str, int], int] = {}  # (cell, seed) -> the steps its run trains
         for name, overrides in self.cells:  # every cell must resolve before anything runs
             for seed in self.config.seed_list:
                 try:
                     config = load_config(self.base, self.overrides(overrides, seed))
                 except ConfigError as e:
                     raise SweepError(f"cell {name}: {e}") from None
+                self.steps[name, seed] = config.steps
                 if self.config.warm_start == "shared" and config.sft.steps > 0:
                     self.warm_starts[name, seed] = self.out / "_warm_start" / _warm_start_key(config)
 
@@ -86,10 +88,10 @@ class Sweep:
         return self.out / cell / f"seed{seed}"
 
     def command(self, cell: str, overrides: dict[str, Any], seed: int) -> list[str] | None:
-        """The train command of one run (None: it finished already)."""
+        """The train command of one run (None: it finished already). A run that finished fewer steps
+        than the sweep now asks for (its `steps` raised) is resumed to train the rest."""
         run_dir = self.run_dir(cell, seed)
-        manifest = _manifest(run_dir)
-        if manifest.get("status") == "finished":
+        if _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= self.steps[cell, seed]:
             return None
         resume = any((run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").is_dir() else False
         warm = self.warm_starts.get((cell, seed))
@@ -162,6 +164,14 @@ def _execute(command: list[str], run_dir: Path, cache: Path) -> int:
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
 
 
+def _trained_steps(run_dir: Path) -> int:
+    """The steps a run's config asked of it (its last attempt's config.yaml)."""
+    try:
+        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["steps"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return 0
+
+
 def _wall_seconds(run_dir: Path) -> float:
     """The run's wall time over all its attempts (wall_time.json's phases; NaN if it has none)."""
     try:
@@ -227,7 +237,7 @@ def aggregate(sweep: Sweep) -> dict[str, Any]:
         runs = {}
         for seed in config.seed_list:
             run_dir = sweep.run_dir(name, seed)
-            if _manifest(run_dir).get("status") == "finished":
+            if _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= sweep.steps[name, seed]:
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
                 runs[seed] = stats.run_summary(rows, config.eval_metric, config.metrics, config.collapse)
                 runs[seed]["wall_s"] = _wall_seconds(run_dir)

@@ -159,6 +159,7 @@ class RolloutSession:
         single = [t for t, e in zip(trajectories, is_episode) if not e]
         bad_rewards = int(bad.sum()) - sum(t.end == "failed" for t in episodes)
         return batch, trajectories, {
+            "rollout/tokens": float(generated),  # the policy's sampled tokens: a run's compute, summed over steps
             "rollout/tokens_per_s": generated / max(wait, 1e-9), "rollout/wait_s": wait,
             "rollout/staleness": float(np.mean([step - t.weight_version for t in trajectories])),
             **({"rollout/truncated_frac": float(np.mean([t.finish_reasons[-1:] == ("length",) for t in single]))}
