@@ -146,15 +146,17 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     assert whole["cells"]["a"]["summary"]["final"]["n"] == 3
     walls = [r["wall_s"] for r in whole["cells"]["a"]["runs"].values()]
     assert all(0 < w < 600 for w in walls) and whole["cells"]["a"]["summary"]["wall_s"]["n"] == 3
+    assert all(0 < r["steps_s"] < r["wall_s"] for r in whole["cells"]["a"]["runs"].values())
 
 
 def untimed(result: dict) -> dict:
     """A sweep's result without its wall times (what this machine took, not what the runs found)."""
     result = json.loads(json.dumps(result))
     for cell in result["cells"].values():
-        cell["summary"].pop("wall_s")
-        for run in cell["runs"].values():
-            run.pop("wall_s")
+        for key in ("wall_s", "steps_s"):
+            cell["summary"].pop(key)
+            for run in cell["runs"].values():
+                run.pop(key)
     return result
 
 

@@ -172,12 +172,16 @@ def _trained_steps(run_dir: Path) -> int:
         return 0
 
 
-def _wall_seconds(run_dir: Path) -> float:
-    """The run's wall time over all its attempts (wall_time.json's phases; NaN if it has none)."""
+def _wall_seconds(run_dir: Path) -> tuple[float, float]:
+    """The run's wall time over all its attempts, and the part of it spent in steps after the first
+    (wall_time.json's phases: the latter leaves out compiles, evaluations and checkpoints, which a
+    shared compilation cache makes differ between a sweep's first run of a shape and the rest).
+    NaN where the run has no such record."""
     try:
-        return float(sum(json.loads((run_dir / "wall_time.json").read_text()).values()))
-    except (OSError, json.JSONDecodeError, TypeError):
-        return math.nan
+        phases = json.loads((run_dir / "wall_time.json").read_text())
+        return float(sum(phases.values())), float(phases.get("steps", math.nan))
+    except (OSError, json.JSONDecodeError, TypeError, AttributeError):
+        return math.nan, math.nan
 
 
 def _manifest(run_dir: Path) -> dict[str, Any]:
@@ -240,7 +244,7 @@ def aggregate(sweep: Sweep) -> dict[str, Any]:
             if _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= sweep.steps[name, seed]:
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
                 runs[seed] = stats.run_summary(rows, config.eval_metric, config.metrics, config.collapse)
-                runs[seed]["wall_s"] = _wall_seconds(run_dir)
+                runs[seed]["wall_s"], runs[seed]["steps_s"] = _wall_seconds(run_dir)
         cells[name] = {"overrides": overrides, "runs": runs,
                        "summary": stats.cell_summary(runs, config.metrics, config.confidence),
                        "curve": stats.curve_band(runs, config.confidence)}

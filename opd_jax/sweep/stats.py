@@ -86,7 +86,7 @@ def cell_summary(runs: dict[int, dict[str, Any]], metrics: Sequence[str], level:
     """Across one cell's runs (by seed): every figure's interval (the held-out metric's, wall time's
     and the training metrics'), and collapse incidence per kind (runs that collapsed / runs)."""
     out: dict[str, Any] = {}
-    for name in ("first", "final", "best", "gain", "wall_s", *metrics):
+    for name in ("first", "final", "best", "gain", "wall_s", "steps_s", *metrics):
         out[name] = interval([r.get(name, math.nan) for r in runs.values()], level)
     kinds = ("any", "eval_drop", "grad_blowup", "nonfinite", "entropy")
     out["collapse"] = {k: sum(r["collapse"][k] is not None for r in runs.values()) / max(len(runs), 1) for k in kinds}
