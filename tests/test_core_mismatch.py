@@ -167,6 +167,10 @@ def test_band_metric_uses_the_configured_bounds():
                                             c)["mismatch_outside_band_frac"])
     assert frac(MismatchCorrection("icepop", hi=2.0)) == 0.75  # [0.5, 2]: GLM-5
     assert frac(MismatchCorrection("icepop", hi=5.0, lo=0.5)) == 0.25  # [0.5, 5]: verl / OpenRLHF
+    assert frac(MismatchCorrection("tis", hi=2.0)) == 0.5  # [0, 2]: only k > 2
+    for correction in (MismatchCorrection("none"), MismatchCorrection("tis"), MismatchCorrection("icepop", hi=5.0, lo=0.5)):
+        fixed = mismatch_metrics(jnp.asarray(logp_old), jnp.asarray(logp_infer), jnp.asarray(m), correction)
+        assert float(fixed["mismatch_outside_2x_frac"]) == 0.75  # [0.5, 2] whatever the correction
 
 
 def test_mismatch_metrics_match_numpy():
@@ -182,6 +186,7 @@ def test_mismatch_metrics_match_numpy():
     np.testing.assert_allclose(got["mismatch_abs_logp_diff"], (np.abs(x) * m).sum() / n, rtol=1e-5)
     np.testing.assert_allclose(got["mismatch_ratio_max"], k[m > 0].max(), rtol=1e-5)
     np.testing.assert_allclose(got["mismatch_outside_band_frac"], (((k < 0.5) | (k > 2)) * m).sum() / n, rtol=1e-6)
+    np.testing.assert_allclose(got["mismatch_outside_2x_frac"], (((k < 0.5) | (k > 2)) * m).sum() / n, rtol=1e-6)
     np.testing.assert_allclose(got["mismatch_ppl_ratio"], np.exp((x * m).sum() / n), rtol=1e-5)
     for q in (1, 10, 50, 90, 99):
         np.testing.assert_allclose(got[f"mismatch_ratio_q{q:02d}"], np.quantile(k[m > 0], q / 100), rtol=1e-5)

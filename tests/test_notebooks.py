@@ -34,7 +34,7 @@ def test_mismatch_notebook(tmp_path, monkeypatch):
     f32, bf16, int4 = (dlogp[f"source={s},correction=none"] for s in ("f32", "bf16", "int4"))
     noisy = dlogp["inject_weight_noise=1.0,correction=none"]
     assert f32 < 1e-5 < bf16 < int4 < noisy, dlogp
-    assert summary["inject_weight_noise=1.0,correction=none"]["mismatch_outside_band_frac"] > 0.01
+    assert summary["inject_weight_noise=1.0,correction=none"]["mismatch_outside_2x_frac"] > 0.01
     # IcePop gives weight 0 to the tokens outside its band, no correction to none
     assert summary["inject_weight_noise=1.0,correction=icepop"]["policy/weight_zero_frac"] > 0.01
     assert summary["inject_weight_noise=1.0,correction=none"]["policy/weight_zero_frac"] == 0

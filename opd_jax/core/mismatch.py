@@ -127,7 +127,8 @@ def mismatch_metrics(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
     """How far the engine is from the trainer on these tokens, masked means over the batch:
     k3 estimate of KL(engine ‖ trainer) = mean(k − 1 − log k), mean |logp_old − logp_infer|,
     max k, the fraction of tokens outside the correction's band [lo, hi] (GLM-5's IcePop:
-    [1/2, 2]), the perplexity ratio engine / trainer = exp(mean log k), and quantiles of k (1 when
+    [1/2, 2]; for none and TIS lo = 0, so only k > hi counts) and outside the fixed [1/2, 2]
+    whatever the correction (comparable across runs), the perplexity ratio engine / trainer = exp(mean log k), and quantiles of k (1 when
     no token is masked in). Values off the mask are never read."""
     chex.assert_equal_shape([logp_old, logp_infer, mask],
                             custom_message="mismatch_metrics: logp_old, logp_infer and mask must share one shape")
@@ -141,6 +142,7 @@ def mismatch_metrics(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
         "mismatch_abs_logp_diff": jnp.sum(jnp.abs(log_k)) / n,
         "mismatch_ratio_max": jnp.max(jnp.where(on, k, 0.0)),
         "mismatch_outside_band_frac": jnp.sum(((k < lo) | (k > hi)) & on) / n,
+        "mismatch_outside_2x_frac": jnp.sum(((k < 0.5) | (k > 2.0)) & on) / n,
         "mismatch_ppl_ratio": jnp.exp(jnp.sum(log_k) / n),
         **{f"mismatch_ratio_q{q:02d}": jnp.where(jnp.any(on), jnp.nanquantile(jnp.where(on, k, jnp.nan), q / 100), 1.0)
            for q in (1, 10, 50, 90, 99)},
