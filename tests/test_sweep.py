@@ -191,7 +191,7 @@ def test_a_run_from_the_shared_warm_start_trains_as_one_that_warms_itself(tmp_pa
     """The shared warm start (`opd-jax sft`, once per seed) and a run that warms itself up end in
     the same policy: the sweep's run reaches the held-out accuracies and the rewards of the same
     run made in-process with its own warm start."""
-    from opd_jax.train import read_metrics, train
+    from opd_jax.train import read_metrics
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     small = [*(s for s in SMALL if not s.startswith("sft.steps")), "sft.steps=3", "logging.eval_every=1"]
@@ -203,8 +203,9 @@ def test_a_run_from_the_shared_warm_start_trains_as_one_that_warms_itself(tmp_pa
     assert len(warm) == 2
     for seed in (0, 1):
         assert load_config(sweep.run_dir("a", seed) / "config.yaml").model.path == str(sweep.warm_starts["a", seed] / "sft_policy")
-    reference = tmp_path / "reference"
-    train(load_config(sweep.base, [*sweep.overrides({}, 1), f"logging.run_dir={reference}"]))
+    reference = tmp_path / "reference"  # as the sweep runs it, in a process of one device
+    subprocess.run([sys.executable, "-m", "opd_jax.cli", "train", str(sweep.base), *sweep.overrides({}, 1),
+                    f"logging.run_dir={reference}"], env=dict(os.environ), check=True, capture_output=True)
     ours, theirs = (read_metrics(d / "metrics.jsonl") for d in (sweep.run_dir("a", 1), reference))
     assert [r.get("eval/accuracy") for r in ours] == [r.get("eval/accuracy") for r in theirs]
     assert [r.get("reward_mean") for r in ours] == [r.get("reward_mean") for r in theirs]

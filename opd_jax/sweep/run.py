@@ -134,8 +134,9 @@ def _warm_start_key(config: TrainConfig) -> str:
     """What a warm start depends on (the model, the data and its seed, the sft settings, how an
     episode's turns are cut), hashed: runs with the same key share one."""
     plain = to_plain(config)
-    inputs = {"model": plain["model"], "data": plain["data"], "sft": plain["sft"], "mesh": plain["mesh"],
-              "max_new_tokens": plain["rollout"]["max_new_tokens"], "episodes": plain["rollout"]["episodes"]}
+    inputs = {section: plain[section] for section in ("model", "sft", "data")}
+    inputs["mesh"] = plain["mesh"]
+    inputs.update(max_new_tokens=plain["rollout"]["max_new_tokens"], episodes=plain["rollout"]["episodes"])
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
