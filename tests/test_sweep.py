@@ -104,7 +104,8 @@ def test_collapse_is_found_with_its_first_step_per_kind():
     ({"cells": [{"name": "a"}], "seeds": 2, "compare": [["a", "z"]]}, "no cell named 'z'"),
     ({"grid": {"steps": [0]}, "seeds": 2}, "cell steps=0"),
     ({"axes": {"engine": {}}, "seeds": 2}, "axis engine has no labels"),
-    ({"axes": {"engine": {"bf16": {"rollout.dtyp": "bfloat16"}}}, "seeds": 2}, "(?s)cell engine=bf16: .*did you mean rollout.dtype"),
+    ({"axes": {"engine": {"bf16": {"rollout.dtyp": "bfloat16"}}}, "seeds": 2},
+     "(?s)cell engine=bf16: .*did you mean rollout.dtype"),
 ])
 def test_a_bad_sweep_is_refused_before_any_run(tmp_path, spec, message):
     path = write_sweep(tmp_path, **spec)
@@ -202,7 +203,8 @@ def test_a_run_from_the_shared_warm_start_trains_as_one_that_warms_itself(tmp_pa
     warm = sorted((tmp_path / "out" / "_warm_start").glob("*/sft_policy"))
     assert len(warm) == 2
     for seed in (0, 1):
-        assert load_config(sweep.run_dir("a", seed) / "config.yaml").model.path == str(sweep.warm_starts["a", seed] / "sft_policy")
+        warm = sweep.warm_starts["a", seed] / "sft_policy"
+        assert load_config(sweep.run_dir("a", seed) / "config.yaml").model.path == str(warm)
     reference = tmp_path / "reference"  # as the sweep runs it, in a process of one device
     subprocess.run([sys.executable, "-m", "opd_jax.cli", "train", str(sweep.base), *sweep.overrides({}, 1),
                     f"logging.run_dir={reference}"], env=dict(os.environ), check=True, capture_output=True)

@@ -128,8 +128,8 @@ def mismatch_metrics(logp_old: jax.Array, logp_infer: jax.Array, mask: jax.Array
     k3 estimate of KL(engine ‖ trainer) = mean(k − 1 − log k), mean |logp_old − logp_infer|,
     max k, the fraction of tokens outside the correction's band [lo, hi] (GLM-5's IcePop:
     [1/2, 2]; for none and TIS lo = 0, so only k > hi counts) and outside the fixed [1/2, 2]
-    whatever the correction (comparable across runs), the perplexity ratio engine / trainer = exp(mean log k), and quantiles of k (1 when
-    no token is masked in). Values off the mask are never read."""
+    whatever the correction (comparable across runs), the perplexity ratio engine / trainer =
+    exp(mean log k), and quantiles of k (1 when no token is masked in). Values off the mask are never read."""
     chex.assert_equal_shape([logp_old, logp_infer, mask],
                             custom_message="mismatch_metrics: logp_old, logp_infer and mask must share one shape")
     on = mask > 0

@@ -4,10 +4,9 @@ time, each in its own run directory (<out>/<cell>/seed<k>), then the aggregate.
 Resumable: a run whose run.json says finished is kept as it is; one with checkpoints continues
 from the last (`--resume`); anything else starts over. With `warm_start: shared` each distinct
 warm start runs once first (<out>/_warm_start/<key>, kept once finished) and its runs start from
-its model. Every cell's config is resolved before a
-single run starts, so a bad key or value stops the sweep with one line naming the cell. A run
-that fails is reported with its log (<out>/<cell>/seed<k>.log) and left out of the aggregate;
-the others go on.
+its model. Every cell's config is resolved before a single run starts, so a bad key or value
+stops the sweep with one line naming the cell. A run that fails is reported with its log
+(<out>/<cell>/seed<k>.log) and left out of the aggregate; the others go on.
 """
 
 from __future__ import annotations
@@ -87,11 +86,16 @@ class Sweep:
     def run_dir(self, cell: str, seed: int) -> Path:
         return self.out / cell / f"seed{seed}"
 
+    def finished(self, cell: str, seed: int) -> bool:
+        """Whether the run finished every step the sweep now asks of it."""
+        run_dir = self.run_dir(cell, seed)
+        return _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= self.steps[cell, seed]
+
     def command(self, cell: str, overrides: dict[str, Any], seed: int) -> list[str] | None:
         """The train command of one run (None: it finished already). A run that finished fewer steps
         than the sweep now asks for (its `steps` raised) is resumed to train the rest."""
         run_dir = self.run_dir(cell, seed)
-        if _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= self.steps[cell, seed]:
+        if self.finished(cell, seed):
             return None
         resume = any((run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").is_dir() else False
         warm = self.warm_starts.get((cell, seed))
@@ -121,11 +125,10 @@ def reduced(path: str | Path, out: str | Path, *, seeds: int | list[int] = 2, ov
     if cells is not None:
         spec["cells"] = [{"name": name, "overrides": o} for name, o in cells.items()]
     compare = spec.pop("compare", [])
+    names = {name for name, _ in SweepConfig(**spec).cell_overrides()}
+    spec["compare"] = [pair for pair in compare if set(pair) <= names]
     small = out.with_suffix(".yaml")
     small.parent.mkdir(parents=True, exist_ok=True)
-    small.write_text(yaml.safe_dump(spec, sort_keys=False))
-    names = {name for name, _ in Sweep(small, out).cells}
-    spec["compare"] = [pair for pair in compare if set(pair) <= names]
     small.write_text(yaml.safe_dump(spec, sort_keys=False))
     return Sweep(small, out)
 
@@ -242,7 +245,7 @@ def aggregate(sweep: Sweep) -> dict[str, Any]:
         runs = {}
         for seed in config.seed_list:
             run_dir = sweep.run_dir(name, seed)
-            if _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= sweep.steps[name, seed]:
+            if sweep.finished(name, seed):
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
                 runs[seed] = stats.run_summary(rows, config.eval_metric, config.metrics, config.collapse)
                 runs[seed]["wall_s"], runs[seed]["steps_s"] = _wall_seconds(run_dir)

@@ -1,7 +1,8 @@
 """What a sweep's runs say, with their uncertainty: per cell, the held-out metric (final, best,
 gain over the first evaluation) and chosen training metrics as mean with a Student's t
-interval over seeds (SciPy; a training metric is first averaged over its run's steps); paired differences between cells over the seeds both ran; per
-run, whether and when training collapsed. Reads run directories, writes nothing."""
+interval over seeds (SciPy; a training metric is first averaged over its run's steps);
+paired differences between cells over the seeds both ran; per run, whether and when training
+collapsed. Reads run directories, writes nothing."""
 
 from __future__ import annotations
 
