@@ -263,7 +263,8 @@ def test_a_bad_reward_names_the_function_and_the_sample_or_is_skipped(tmp_path):
     assert result.exit_code == 0, result.output
     rows = read_metrics(tmp_path / "c" / "metrics.jsonl")
     steps = [r for r in rows if "reward_mean" in r]
-    assert sum(r["reward/bad_samples"] for r in steps) > 0 and all(np.isfinite(r["policy/loss"]) for r in steps)
+    assert sum(r["reward/bad_samples"] for r in steps) > 0
+    assert all(np.isfinite(r["policy/loss"]) for r in steps if r["policy/trained"])
     assert rows[-1]["eval/max/bad_samples"] + 0 >= 0 and np.isfinite(rows[-1]["eval/accuracy"])
 
 

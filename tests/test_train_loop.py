@@ -64,6 +64,9 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, straight_
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
     rows = read_metrics(straight / "metrics.jsonl")
     assert strip(read_metrics(resumed / "metrics.jsonl")) == strip(rows)
+    # the critic's warm-up step logs no policy numbers (the skipped update's zeros are not measured)
+    assert rows[1]["policy/trained"] == 0 and not any(k.startswith("policy/") for k in rows[1] if k != "policy/trained")
+    assert rows[2]["policy/trained"] == 1 and rows[2]["policy/entropy"] > 0.1
     assert "policy/moe/layer1/flip_frac" in rows[-1]  # a MoE policy, trained on the engine's routing
     flips = np.mean([r["policy/moe/flip_frac"] for r in rows if "policy/moe/flip_frac" in r])
     assert flips > 0  # the engine's routing reached the step (its weights are perturbed)

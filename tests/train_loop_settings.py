@@ -16,10 +16,12 @@ TINY = [
 # perturbed so that some tokens are routed differently: an exact resume covers the engine's
 # recorded routing too; its prompts mixed with multi-turn episodes of the search game, whose
 # stream of episodes resumes too; its forwards (warm start, scoring, steps) run on packed rows and
-# its engine batches continuously (6 decode slots for 16 rollouts)
+# its engine batches continuously (6 decode slots for 16 rollouts); its first step trains the
+# critic only
 RESUME_ARGS = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=3",
                "algorithm.ppo.update.pack=true", "sft.pack=true", "rollout.decode_slots=6",
                "data.train=[{builtin: max, params: {hi: 9, min_len: 3, max_len: 3}}, "
                "{environment: search, params: {hi: 3, max_guesses: 2}}]", "rollout.episodes.max_tokens=40",
                "model.fresh.family=qwen3_moe", "algorithm.ppo.routing_replay=r3", "rollout.inject_weight_noise=0.1",
+               "algorithm.ppo.value_warmup_steps=1",
                "model.fresh.moe={num_experts: 4, experts_per_token: 2, intermediate_size: 32, dense_layers: [0]}"]

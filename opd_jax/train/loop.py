@@ -86,7 +86,11 @@ class PPOTask:
         return {"advantages": advantages, "returns": returns}
 
     def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
-        return metrics
+        if metrics.get("policy/trained", 1.0):
+            return metrics
+        # During the critic's warm-up the policy's update is skipped and its metrics are the zeros
+        # the step fills in: they are not measurements, and would read as a collapsed entropy.
+        return {k: v for k, v in metrics.items() if not k.startswith("policy/") or k == "policy/trained"}
 
     def finish(self, state: PPOState, run_dir: Path, phases: dict[str, float]) -> None:
         with (run_dir / "memory.json").open("w") as f:

@@ -144,7 +144,8 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
         differs = ", ".join(f"{k.replace('_', ' ')} ({v})" for k, v in engine["differs_in"].items()) or "nothing"
         lines.append(f"engine: {engine['engine']}, log-probs {engine['logprobs']}; differs from the trainer in {differs}")
     if steps:
-        mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
+        # over the steps that logged the key (a policy number is missing on the critic's warm-up steps)
+        mean = lambda key: float(np.mean([r[key] for r in steps if key in r] or [0.0]))  # noqa: E731
         line = (f"mismatch (mean over {len(steps)} steps): |Δlogp| {mean('mismatch_abs_logp_diff'):.4f}, "
                 f"outside the band {mean('mismatch_outside_band_frac'):.2%}")
         if "policy/moe/flip_frac" in steps[-1]:
