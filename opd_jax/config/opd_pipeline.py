@@ -23,6 +23,7 @@ from opd_jax.config.schema import (
     TrainConfig,
 )
 from opd_jax.core import OPDConfig, OptimizerConfig
+from opd_jax.core.opd import Divergence
 from opd_jax.parallel import DistributedConfig, MeshConfig
 
 
@@ -170,6 +171,8 @@ class MergeConfig(Section):
     """The student's rollout engine and sampling."""
     opd: OPDConfig = OPDConfig()
     """The OPD step."""
+    divergence_by_teacher: dict[str, Divergence] = {}
+    """Teacher (expert) name → the divergence its rows minimise, in place of opd.divergence (loss full / top_k)."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     """The student's optimizer."""
     data: MergeDataSection = MergeDataSection()
@@ -195,6 +198,8 @@ class MergeConfig(Section):
         if self.teachers.engine == "sglang" and self.opd.loss != "sampled":
             raise ValueError(f"opd.loss {self.opd.loss!r} needs each teacher's whole distribution: use "
                              f"teachers.engine 'local', or opd.loss 'sampled' with SGLang teachers")
+        if self.divergence_by_teacher and self.opd.loss == "sampled":
+            raise ValueError("divergence_by_teacher needs the teachers' distributions: set opd.loss to 'full' or 'top_k'")
         if self.teachers.engine == "sglang" and self.rollout.temperature not in (0.0, 1.0):
             raise ValueError("SGLang teachers score at temperature 1 (prompt log-probs are not tempered): "
                              "set rollout.temperature to 1 (or 0, greedy)")

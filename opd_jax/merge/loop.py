@@ -20,7 +20,7 @@ import numpy as np
 
 from opd_jax.config import MergeConfig, ModelSection, scoring_temperature
 from opd_jax.core import DistillBatch, PolicyState, make_optimizer, opd_step, score_student
-from opd_jax.merge.plan import MergePlan, resolve_plan
+from opd_jax.merge.plan import MergeError, MergePlan, resolve_plan
 from opd_jax.merge.report import write_report
 from opd_jax.merge.routing import teacher_indices
 from opd_jax.merge.teachers import Teachers, build_teachers
@@ -62,8 +62,13 @@ class OPDTask:
         self.update = opd.update
         self.scoring_fn = functools.partial(score_student, temperature=self.temperature,
                                             microbatches=opd.update.microbatches)
-        self.step_fn = functools.partial(opd_step, config=opd, group_size=group,
-                                         num_teachers=len(self.plan.teachers), temperature=self.temperature)
+        names = self.plan.teacher_names
+        unknown = sorted(set(config.divergence_by_teacher) - set(names))
+        if unknown:
+            raise MergeError(f"divergence_by_teacher names {', '.join(unknown)}, which are not teachers ({', '.join(names)})")
+        self.step_fn = functools.partial(opd_step, config=opd, group_size=group, num_teachers=len(names),
+                                         temperature=self.temperature,
+                                         divergences=tuple(config.divergence_by_teacher.get(n, opd.divergence) for n in names))
 
     def check_inputs(self) -> None:
         models = {"student": self.plan.student}
