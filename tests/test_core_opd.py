@@ -1,13 +1,22 @@
 """The OPD signals against NumPy written from the formulas, on ragged batches: the sampled
 advantage, every divergence and its gradient in the student, on the full vocabulary and on the
-teacher's top-k."""
+teacher's top-k; domain balancing on fixed numbers."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax.core import DIVERGENCES, divergence, full_support, opd_advantages, reverse_kl_advantage, top_k_support
+from opd_jax.core import (
+    DIVERGENCES,
+    balance_weights,
+    divergence,
+    full_support,
+    opd_advantages,
+    reverse_kl_advantage,
+    running_divergence,
+    top_k_support,
+)
 
 
 def log_softmax(x):
@@ -127,3 +136,29 @@ def test_top_k_renormalises_on_the_teachers_support(kind):
     all_ids = np.broadcast_to(np.arange(t.shape[-1]), t.shape)
     np.testing.assert_allclose(divergence(*top_k_support(jnp.asarray(s), jnp.asarray(lt_full), jnp.asarray(all_ids)), kind),
                                full(s, t, kind), rtol=1e-4, atol=1e-5)
+
+
+def test_a_domain_whose_divergence_stays_high_gets_more_weight():
+    """Fixed numbers through the documented rule: u_k = max(d⁺_k / mean d⁺, floor), w = u / mean u."""
+    running = np.array([0.1, 0.4, np.nan, -0.05], np.float32)  # teacher 2 not seen yet, teacher 3's estimate < 0
+    # d⁺ = [0.1, 0.4, 0.5/3 (the seen ones' mean), 0]; mean 1/6; u = [0.6, 2.4, 1.0, 0.25]; mean u 1.0625
+    np.testing.assert_allclose(balance_weights(running, floor=0.25), np.array([0.6, 2.4, 1.0, 0.25]) / 1.0625, rtol=1e-6)
+    np.testing.assert_allclose(balance_weights(np.full(3, 0.2, np.float32), 0.25), np.ones(3), rtol=1e-6)
+    np.testing.assert_allclose(balance_weights(np.zeros(3, np.float32), 0.25), np.ones(3))  # nothing to balance
+    # the running value: an EMA over the steps that had the teacher's rows
+    r = np.array([np.nan, 1.0, 1.0], np.float32)
+    r = running_divergence(r, np.array([0.5, 0.2, 9.0], np.float32), np.array([True, True, False]), decay=0.75)
+    np.testing.assert_allclose(r, [0.5, 0.75 * 1.0 + 0.25 * 0.2, 1.0], rtol=1e-6)
+    # the others learnt (their divergence falls 0.6 -> 0.05), one held at 0.6: its weight grows
+    # step after step, theirs shrink to the floor's share
+    r = np.full(3, np.nan, np.float32)
+    weights = []
+    for step in range(30):
+        easy = max(0.6 - 0.05 * step, 0.05)
+        r = running_divergence(r, np.array([easy, easy, 0.6], np.float32), np.ones(3, bool), decay=0.9)
+        weights.append(np.asarray(balance_weights(r, floor=0.25)))
+    held = [w[2] for w in weights]
+    assert held[0] == 1.0 and all(b >= a for a, b in zip(held, held[1:])) and held[-1] > 2.0, held
+    assert weights[-1][0] == weights[-1][1] < 0.4
+    with pytest.raises(ValueError, match="floor must be in"):
+        balance_weights(r, floor=0.0)

@@ -84,7 +84,8 @@ def reference_divergence(ls, lt, kind, beta):
 
 def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_size=1, divergences=None):
     """One SGD step on the OPD objective, written from the formulas with plain jnp; divergences:
-    each teacher's (default: config.divergence)."""
+    each teacher's (default: config.divergence); batch.row_weights scale each row's distillation
+    term."""
     r = batch.rollout
     m = r.response_mask
     lold, linf = r.logp_old, r.logp_infer
@@ -93,7 +94,8 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_
     rewards = r.rewards.reshape(-1, group_size)
     group = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
     reward_adv = config.reward_alpha * group[:, None] * m
-    advantages = reward_adv + ((batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
+    balance = 1.0 if batch.row_weights is None else batch.row_weights[:, None]
+    advantages = reward_adv + (balance * (batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
     positions = r.positions
 
     def objective(params):
@@ -114,7 +116,7 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_
             kinds = divergences or (config.divergence,) * 2
             per_row = jnp.stack([reference_divergence(ls, lt, kinds[k], config.jsd_beta) for k in range(2)])
             kl = per_row[batch.teacher_index, jnp.arange(len(batch.teacher_index))]  # each row its teacher's kind
-            loss = loss + jnp.sum(w * kl * m) / jnp.sum(m)
+            loss = loss + jnp.sum(w * balance * kl * m) / jnp.sum(m)
         return loss
 
     grads = jax.jit(jax.grad(objective))(state.params)
@@ -124,22 +126,24 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_
 # what the run passes to every step: two teachers, the engine's sampling temperature
 RUN = {"num_teachers": 2, "temperature": T_SAMPLE}
 
-VARIANTS = {  # config, samples per prompt, each teacher's divergence (None: the config's)
-    "sampled (GLM-5)": (OPDConfig(), 1, None),
-    "sampled + reward (MOPD)": (OPDConfig(reward_alpha=0.5), 4, None),
-    "full vocabulary": (OPDConfig(loss="full"), 1, None),
-    "top-k + reward": (OPDConfig(loss="top_k", top_k=8, reward_alpha=0.3), 4, None),
-    "full forward KL": (OPDConfig(loss="full", divergence="forward_kl"), 1, None),
-    "top-k JSD(0.3)": (OPDConfig(loss="top_k", top_k=8, divergence="jsd", jsd_beta=0.3), 1, None),
-    "full, per teacher: forward KL, JSD(0.3)": (OPDConfig(loss="full", jsd_beta=0.3), 1, ("forward_kl", "jsd")),
+VARIANTS = {  # config, samples per prompt, each teacher's divergence (None: the config's), balanced
+    "sampled (GLM-5)": (OPDConfig(), 1, None, False),
+    "sampled + reward (MOPD), balanced": (OPDConfig(reward_alpha=0.5), 4, None, True),
+    "full vocabulary": (OPDConfig(loss="full"), 1, None, False),
+    "top-k + reward": (OPDConfig(loss="top_k", top_k=8, reward_alpha=0.3), 4, None, False),
+    "full forward KL, balanced": (OPDConfig(loss="full", divergence="forward_kl"), 1, None, True),
+    "top-k JSD(0.3)": (OPDConfig(loss="top_k", top_k=8, divergence="jsd", jsd_beta=0.3), 1, None, False),
+    "full, per teacher: forward KL, JSD(0.3)": (OPDConfig(loss="full", jsd_beta=0.3), 1, ("forward_kl", "jsd"), False),
 }
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_step_matches_reference_sgd_update(name):
-    (config, group_size, divergences), lr = VARIANTS[name], 0.05
+    (config, group_size, divergences, balanced), lr = VARIANTS[name], 0.05
     state, batch, models, index = setup(optax.sgd(lr))
     distill = distill_batch(batch, models, index, config.loss, config.top_k)
+    if balanced:  # teacher 1's rows weigh four times teacher 0's
+        distill = distill.replace(row_weights=jnp.asarray(np.array([0.4, 1.6], np.float32)[index]))
     step = functools.partial(opd_step, config=config, group_size=group_size, divergences=divergences, **RUN)
     new, metrics = jax.jit(step)(state, distill)
     assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr, group_size, divergences), state.params)

@@ -117,6 +117,45 @@ def top_k_support(student_logits: jax.Array, teacher_top_logprobs: jax.Array, te
             jax.nn.log_softmax(teacher_top_logprobs.astype(jnp.float32), axis=-1))
 
 
+def running_divergence(previous: jax.Array, observed: jax.Array, present: jax.Array, decay: float) -> jax.Array:
+    """Each teacher's running divergence, an exponential moving average over the steps that had
+    its rows:
+
+        r_k ← decay · r_k + (1 − decay) · d_k   if teacher k had rows this step (present[k])
+        r_k ← d_k                               on its first such step (r_k NaN)
+        r_k unchanged                           otherwise
+
+    previous, observed: float [K]; present: bool [K]; decay in [0, 1)."""
+    chex.assert_equal_shape([previous, observed, present])
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    updated = jnp.where(jnp.isnan(previous), observed, decay * previous + (1.0 - decay) * observed)
+    return jnp.where(present, updated, previous)
+
+
+def balance_weights(running: jax.Array, floor: float) -> jax.Array:
+    """Domain balancing: each teacher's weight in the distillation loss, larger where its domain's
+    divergence stays high, so the easy domains do not dominate the gradient:
+
+        d⁺_k = max(r_k, 0)   (the sampled estimate can dip below 0; an unseen teacher, r_k NaN,
+                              counts as the mean of the seen ones)
+        u_k  = max(d⁺_k / mean_j d⁺_j, floor)        (1 for all when every d⁺ is 0)
+        w_k  = u_k / mean_j u_j                      (mean weight 1: the loss keeps its scale)
+
+    running: float [K] (`running_divergence`); floor in (0, 1]: no domain's weight falls below
+    floor / mean(u) however well it is learnt."""
+    chex.assert_rank(running, 1)
+    if not 0.0 < floor <= 1.0:
+        raise ValueError(f"floor must be in (0, 1], got {floor}")
+    seen = ~jnp.isnan(running)
+    d = jnp.maximum(jnp.where(seen, running, 0.0), 0.0)
+    mean_seen = jnp.sum(d) / jnp.maximum(jnp.sum(seen), 1)
+    d = jnp.where(seen, d, mean_seen)
+    mean = jnp.mean(d)
+    u = jnp.where(mean > 0, jnp.maximum(d / jnp.where(mean > 0, mean, 1.0), floor), 1.0)
+    return u / jnp.mean(u)
+
+
 def select_teacher(per_teacher: jax.Array, teacher_index: jax.Array) -> jax.Array:
     """Each row's own teacher's values: out[b, t] = per_teacher[teacher_index[b], b, t].
 

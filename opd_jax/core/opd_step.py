@@ -118,13 +118,16 @@ class DistillBatch:
 
     rollout: with logp_old filled (the student's θ_old at the sampling temperature);
     teacher_index: int32 [B], the teacher of each row (its domain's); logp_teacher: [B, T];
-    teacher_logprobs, teacher_ids: [B, T, K] (loss "top_k") or teacher_logprobs [B, T, V] ("full")."""
+    teacher_logprobs, teacher_ids: [B, T, K] (loss "top_k") or teacher_logprobs [B, T, V] ("full");
+    row_weights: [B], each row's weight in the distillation term (domain balancing, see
+    `balance_weights`; None: 1), not in the reward term."""
 
     rollout: RolloutBatch
     teacher_index: jax.Array
     logp_teacher: jax.Array
     teacher_logprobs: jax.Array | None = None
     teacher_ids: jax.Array | None = None
+    row_weights: jax.Array | None = None
 
 
 # --- forward passes -------------------------------------------------------------------------
@@ -178,6 +181,9 @@ def _check(batch: DistillBatch, config: OPDConfig, group_size: int) -> None:
                             custom_message="opd_step: logp_teacher must be [B, T] like the tokens")
     chex.assert_shape(batch.teacher_index, rollout.tokens.shape[:1],
                       custom_message="opd_step: teacher_index must hold one teacher per row")
+    if batch.row_weights is not None:
+        chex.assert_shape(batch.row_weights, rollout.tokens.shape[:1],
+                          custom_message="opd_step: row_weights must hold one weight per row")
     if config.loss != "sampled":
         if batch.teacher_logprobs is None:
             raise ValueError(f"loss {config.loss!r} needs batch.teacher_logprobs (local teachers' distributions)")
@@ -198,7 +204,8 @@ def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teache
     if config.reward_alpha > 0:
         group = group_advantages(rollout.rewards, group_size, config.grpo_normalize_std)
         reward = jnp.where(m > 0, group[:, None], 0.0)
-    advantages = config.reward_alpha * reward + (distill if config.loss == "sampled" else 0.0)
+    balance = 1.0 if batch.row_weights is None else batch.row_weights[:, None].astype(jnp.float32)
+    advantages = config.reward_alpha * reward + (balance * distill if config.loss == "sampled" else 0.0)
     n = jnp.maximum(jnp.sum(m), 1.0)
     row_tokens = jnp.sum(m, axis=1)
     # per-teacher mean of the sampled reverse KL, log π_old − log π_teacher, over its rows' tokens
@@ -248,6 +255,8 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
                                         agg=s.loss_agg, normalizer=normalizer, kind=s.kind)
         if config.loss != "sampled":
             per_position = _position_divergence(shift_right(logits), t.batch, config, divergences)
+            if t.batch.row_weights is not None:
+                per_position = per_position * t.batch.row_weights[:, None]
             distill, _, _ = aggregate(t.weights * per_position, t.mask, s.loss_agg, normalizer)
             metrics = {**metrics, "distill_loss": summed_loss(distill)}
             if use_surrogate:
