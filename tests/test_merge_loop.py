@@ -127,10 +127,11 @@ def test_report(sharded_run):
 
 
 def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path):
-    # top-k JSD for two teachers, forward KL for the third
+    # top-k JSD for two teachers, forward KL for the third; domain balancing (its running
+    # divergences resume with the checkpoint)
     extra = ("steps=3", "opd.loss=top_k", "opd.top_k=8", "opd.divergence=jsd", "divergence_by_teacher={max: forward_kl}",
-             "opd.reward_alpha=0.5", "baselines.weight_average=false", "baselines.task_arithmetic=false",
-             "logging.eval_every=3")
+             "balance.enabled=true", "balance.decay=0.5", "opd.reward_alpha=0.5", "baselines.weight_average=false",
+             "baselines.task_arithmetic=false", "logging.eval_every=3")
     straight = merge(config(models, tmp_path / "straight", *extra))
     interrupted = config(models, tmp_path / "resumed", *extra)
     merge(interrupted, stop_after=2)
@@ -138,6 +139,9 @@ def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path)
         merge(interrupted)
     resumed = merge(interrupted, resume=True)
     assert rows(resumed) == rows(straight)
+    weights = [{d: r[f"opd/balance_weight/{d}"] for d in DOMAINS} for r in rows(straight)[1:]]
+    assert all(w == 1.0 for w in weights[0].values())  # nothing seen before the first step
+    assert len({round(w, 6) for w in weights[2].values()}) > 1 and np.isclose(np.mean(list(weights[2].values())), 1.0)
     for x, y in zip(student_params(straight), student_params(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert "weight_average" not in json.loads((resumed / "report.json").read_text())["domains"]["max"]
