@@ -146,9 +146,11 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
 
 def _check_resumable(config: Any, directory: RunDirectory, force: bool) -> None:
     latest = checkpoint_steps(directory.path)[-1]
-    if latest >= config.steps:
+    if latest >= config.steps and directory.manifest.get("status") == "finished":
         raise RunDirError(f"{directory.path} has run {latest} of {config.steps} steps: nothing to resume (raise steps "
                           f"to train further)")
+    if latest >= config.steps:  # stopped after its last checkpoint, in the export or report: only they run again
+        say(f"{directory.path} trained all {config.steps} steps but did not finish its export: finishing it")
     previous = directory.previous_config()
     if previous is None:
         return
