@@ -228,6 +228,20 @@ def merge(
 
 
 @_command()
+def recipe(
+    config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="A recipe config (see configs/recipe.yaml).")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+) -> None:
+    """The whole OPD merge in one command: the base, one RL expert per domain, the merge, and
+    report.md. Resumable: run it again after a kill and it finishes what is left."""
+    from opd_jax.config import RecipeConfig
+    from opd_jax.merge.recipe import run_recipe
+
+    config = _load(config_file, list(overrides or []), RecipeConfig)
+    typer.echo(f"recipe written to {run_recipe(config)}")
+
+
+@_command()
 def sweep(
     sweep_file: Annotated[Path, typer.Argument(metavar="SWEEP", help="A sweep file: base config, cells, seeds.")],
     jobs: Annotated[int, typer.Option(help="Runs at a time (each its own process).")] = 1,

@@ -9,7 +9,7 @@ from opd_jax.config.load import (
     save_config,
     to_plain,
 )
-from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig
+from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig, RecipeConfig
 from opd_jax.config.reference import explain
 from opd_jax.config.schema import (
     AlgorithmSection,
@@ -27,6 +27,6 @@ from opd_jax.config.schema import (
 )
 
 __all__ = ["AlgorithmSection", "CheckpointSection", "ConfigError", "DataSection", "EpisodeSection", "ExpertsConfig", "FreshModel",
-           "LoggingSection", "MergeConfig", "ModelSection", "RolloutSection", "SFTSection", "SourceSpec", "TrainConfig",
-           "config_changes", "dump_config", "explain", "fixed_on_resume", "load_config", "save_config",
+           "LoggingSection", "MergeConfig", "ModelSection", "RecipeConfig", "RolloutSection", "SFTSection", "SourceSpec",
+           "TrainConfig", "config_changes", "dump_config", "explain", "fixed_on_resume", "load_config", "save_config",
            "scoring_temperature", "to_plain"]

@@ -1,11 +1,11 @@
 """The typed configs of the OPD merge pipeline: `opd-jax experts` (a shared base, then one RL
-expert per domain) and `opd-jax merge` (the experts distilled into one student, plus the
-weight-averaging baselines). Sections are the training config's own, so a knob means the same
-thing in all three commands."""
+expert per domain), `opd-jax merge` (the experts distilled into one student, plus the
+weight-averaging baselines) and `opd-jax recipe` (both and the report, in one command).
+Sections are the training config's own, so a knob means the same thing in every command."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -225,3 +225,59 @@ class MergeConfig(Section):
         except ValueError as e:
             raise ValueError(f"data.prompts_per_step × rollout.samples_per_prompt: {e} (opd.update)") from None
         return self
+
+
+class RecipeConfig(Section):
+    """`opd-jax recipe`: the whole OPD merge in one resumable command, the domains named once:
+    the shared base, one RL expert per domain (`base`, `expert`, `launch` as in `opd-jax
+    experts`, into run_dir/experts), the merge (`merge` as in `opd-jax merge`, its experts_dir and
+    logging.run_dir set to run_dir/experts and run_dir/merge), then run_dir/report.md."""
+
+    run_dir: str = "runs/recipe"
+    """Where everything goes: experts/, merge/, recipe.json, report.md, report.png."""
+    domains: dict[str, list[SourceSpec]] = Field(min_length=1)
+    """Domain name → its prompt sources: one expert per domain, the merge on all of them."""
+    base: BaseSection = BaseSection()
+    """The shared base."""
+    expert: TrainConfig = TrainConfig()
+    """The training config every expert shares (its model, data.train and run_dir are set per domain)."""
+    launch: JobsSection = JobsSection()
+    """How the expert jobs are run."""
+    merge: MergeConfig
+    """The merge (experts_dir and logging.run_dir are the recipe's)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_inside_run_dir(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        run_dir = str(data.get("run_dir", cls.model_fields["run_dir"].default))
+        merge = dict(data.get("merge") or {})
+        logging = dict(merge.get("logging") or {})
+        fixed = {"merge.experts_dir": (merge.get("experts_dir"), f"{run_dir}/experts"),
+                 "merge.logging.run_dir": (logging.get("run_dir"), f"{run_dir}/merge")}
+        for key, (given, own) in fixed.items():
+            if given is not None and str(given) != own:
+                raise ValueError(f"{key} is the recipe's ({own}, from run_dir): leave it out")
+        logging["run_dir"] = fixed["merge.logging.run_dir"][1]
+        return {**data, "merge": {**merge, "experts_dir": fixed["merge.experts_dir"][1], "logging": logging}}
+
+    @model_validator(mode="after")
+    def _domains_named_once(self) -> RecipeConfig:
+        for name, sources in self.domains.items():
+            if not name or "/" in name or name == "base":
+                raise ValueError(f"domain name {name!r} cannot name a directory (or is 'base')")
+            if not sources:
+                raise ValueError(f"domain {name!r} has no data source: give it at least one (e.g. [{{builtin: addition}}])")
+        if self.merge.data.train or self.merge.teachers.paths:
+            raise ValueError("the recipe's merge trains on its domains' experts: leave merge.data.train and "
+                             "merge.teachers.paths out")
+        unknown = sorted(set(self.merge.mix) - set(self.domains))
+        if unknown:
+            raise ValueError(f"merge.mix names {', '.join(unknown)}, which are not domains ({', '.join(self.domains)})")
+        return self
+
+    def experts_config(self) -> ExpertsConfig:
+        """The `opd-jax experts` config of the recipe's first phase."""
+        return ExpertsConfig(run_dir=f"{self.run_dir}/experts", base=self.base, expert=self.expert,
+                             experts=self.domains, launch=self.launch)

@@ -129,9 +129,9 @@ def reference_markdown(schemas: dict[str, type[pydantic.BaseModel]]) -> str:
 
 
 def command_schemas() -> dict[str, type[pydantic.BaseModel]]:
-    from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig
+    from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig, RecipeConfig
     from opd_jax.config.schema import TrainConfig
-    return {"train": TrainConfig, "experts": ExpertsConfig, "merge": MergeConfig}
+    return {"train": TrainConfig, "experts": ExpertsConfig, "merge": MergeConfig, "recipe": RecipeConfig}
 
 
 if __name__ == "__main__":

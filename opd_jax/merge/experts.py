@@ -29,7 +29,6 @@ from opd_jax.data import source_domains
 from opd_jax.errors import OpdJaxError
 from opd_jax.models import save_model
 from opd_jax.train import (
-    RunError,
     build_model,
     checkpoint_steps,
     held_out_evaluator,
@@ -137,7 +136,7 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
     try:
         if run_status(directory) != "finished":  # else trained and exported already: only its summary is missing
             train(cfg, resume=resume)
-    except RunError as e:
+    except OpdJaxError as e:  # any named problem of its run (data, model, run directory, a failed step)
         raise ExpertsError(f"expert {name!r}: {e}") from None
     rows = read_metrics(directory / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -201,8 +200,14 @@ def run_experts(config: ExpertsConfig, *, only: str | None = None) -> Path:
     began = time.perf_counter()
     if config.launch.jobs == 1:
         build_base(config)
-        for name in config.experts:
-            run_expert(config, name)
+        failed = []
+        for name in config.experts:  # a failed expert does not stop the others
+            try:
+                run_expert(config, name)
+            except ExpertsError as e:
+                failed.append(str(e))
+        if failed:
+            raise ExpertsError("these experts failed (the others are kept):\n" + "\n".join(failed))
     else:  # the jobs own the devices: this process never touches them
         config_path = run_dir / "experts_config.yaml"
         save_config(config, config_path)

@@ -1,0 +1,118 @@
+"""`opd-jax recipe` at test size (three domains), as a user runs it, in processes of its own:
+killed in every phase (the base's warm start, an expert's RL, the merge's steps, the merge's
+export) and run again each time, it ends with the report of an uninterrupted run; bad input is
+named in one line, and an expert that fails leaves the others kept and the merge refused, naming
+the missing expert."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from opd_jax.config import RecipeConfig, load_config
+from opd_jax.train import checkpoint_steps
+
+TINY = ["base.model.fresh.hidden_size=32", "base.model.fresh.intermediate_size=64", "base.model.fresh.num_layers=1",
+        "base.model.fresh.num_heads=2", "base.model.fresh.num_kv_heads=1", "base.model.fresh.head_dim=16",
+        "base.sft.steps=6", "base.sft.batch_size=16", "expert.steps=3", "expert.rollout.samples_per_prompt=2",
+        "expert.rollout.max_new_tokens=4", "expert.data.prompts_per_step=4", "expert.data.eval_prompts_per_domain=8",
+        "expert.logging.eval_every=3", "expert.logging.progress_bar=false", "expert.logging.tensorboard=false",
+        "expert.logging.plot=false", "expert.checkpoint.every=1",
+        "merge.steps=4", "merge.rollout.max_new_tokens=4", "merge.data.prompts_per_step=6",
+        "merge.data.eval_prompts_per_domain=8", "merge.logging.eval_every=4", "merge.logging.progress_bar=false",
+        "merge.logging.tensorboard=false", "merge.logging.plot=false", "merge.checkpoint.every=1",
+        "merge.opd.loss=full", "merge.baselines.validation_prompts_per_domain=4",
+        "merge.baselines.task_arithmetic_scales=[0.5, 1.0]",
+        "domains={addition: [{builtin: addition, params: {digits: 1}}], max: [{builtin: max, params: {hi: 9}}], "
+        "parity: [{builtin: parity, params: {max_len: 4}}]}"]
+# one device, full precision: every process of a comparison computes the same numbers
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+       "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+
+
+def command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "opd_jax.cli", "recipe", os.devnull, *TINY, f"run_dir={run_dir}", *extra]
+
+
+def run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(run_dir, *extra), env=ENV, capture_output=True, text=True, timeout=900)
+
+
+def kill_when(run_dir: Path, reached) -> bool:
+    """Start the recipe and SIGKILL it as soon as `reached()`; False if it ended first."""
+    process = subprocess.Popen(command(run_dir), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while process.poll() is None:
+            if reached():
+                process.kill()
+                process.wait()
+                return True
+            time.sleep(0.05)
+        return False
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def comparable(report: dict) -> dict:
+    """What the report says of the models (not wall times or paths, which differ run to run)."""
+    keys = ("domains", "mean", "student_over_expert", "task_arithmetic_scale", "domains_kept", "domains_below")
+    return {k: report[k] for k in keys if k in report}
+
+
+def test_killed_in_every_phase_the_recipe_ends_as_an_uninterrupted_one(tmp_path):
+    straight = tmp_path / "straight"
+    done = run(straight)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for phase in ("[1/3] base and 3 experts", "[2/3] merge", "[3/3] report"):
+        assert phase in done.stdout + done.stderr
+
+    killed = tmp_path / "killed"
+    experts, merge_dir = killed / "experts", killed / "merge"
+    kills = {  # each phase, in turn: the run is killed there, then started again
+        "base warm start": lambda: (experts / "base" / "sft_metrics.jsonl").exists(),
+        "an expert's RL": lambda: bool(checkpoint_steps(experts / "experts" / "max")),
+        "the merge's steps": lambda: bool(checkpoint_steps(merge_dir)),
+        "the merge's export": lambda: (merge_dir / "student").exists(),
+    }
+    for where, reached in kills.items():
+        assert kill_when(killed, reached), f"the recipe ended before it was killed in {where}"
+    done = run(killed)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[1/3] base and 3 experts in" in done.stdout + done.stderr
+
+    a, b = (json.loads((d / "report.json").read_text()) for d in (straight, killed))
+    assert set(a["domains"]) == {"addition", "max", "parity"}
+    assert comparable(b) == comparable(a)
+    ledger = json.loads((killed / "recipe.json").read_text())
+    assert ledger["attempts"] == 5 and ledger["done"] == ["experts", "merge", "report"]
+    text = (killed / "report.md").read_text()
+    assert "| **mean** |" in text and "of its expert on" in text and "of 3 domains" in text
+    assert (killed / "report.png").stat().st_size > 1000
+
+
+def test_bad_input_and_a_failed_expert_are_named(tmp_path):
+    done = run(tmp_path / "empty", "domains={addition: [{builtin: addition}], max: []}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
+    assert "domain 'max' has no data source" in done.stderr + done.stdout
+    with pytest.raises(ValueError, match=r"merge.logging.run_dir is the recipe's \(.*/merge, from run_dir\)"):
+        load_config(None, [*TINY, f"run_dir={tmp_path}", "merge.logging.run_dir=elsewhere"], schema=RecipeConfig)
+
+    # a stray file where expert 'max' would run: its job fails, the other experts finish and are kept
+    run_dir = tmp_path / "failed"
+    stray = run_dir / "experts" / "experts" / "max"
+    stray.mkdir(parents=True)
+    (stray / "metrics.jsonl").write_text("{}\n")
+    done = run(run_dir)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert "expert 'max'" in out and "holds the files of an earlier run" in out
+    assert "the merge needs every expert and will not start (expert 'max' is not finished" in out
+    assert "missing max" in out
+    for kept in ("addition", "parity"):
+        assert (run_dir / "experts" / "experts" / kept / "expert.json").exists()
+    assert not (run_dir / "merge").exists()
