@@ -127,7 +127,10 @@ def test_report(sharded_run):
 
 
 def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path):
-    extra = ("steps=3", "opd.loss=top_k", "opd.top_k=8", "opd.reward_alpha=0.5", "baselines.weight_average=false",
+    # top-k JSD for two teachers, forward KL for the third; domain balancing (its running
+    # divergences resume with the checkpoint)
+    extra = ("steps=3", "opd.loss=top_k", "opd.top_k=8", "opd.divergence=jsd", "divergence_by_teacher={max: forward_kl}",
+             "balance.enabled=true", "balance.decay=0.5", "opd.reward_alpha=0.5", "baselines.weight_average=false",
              "baselines.task_arithmetic=false", "logging.eval_every=3")
     straight = merge(config(models, tmp_path / "straight", *extra))
     interrupted = config(models, tmp_path / "resumed", *extra)
@@ -136,6 +139,9 @@ def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path)
         merge(interrupted)
     resumed = merge(interrupted, resume=True)
     assert rows(resumed) == rows(straight)
+    weights = [{d: r[f"opd/balance_weight/{d}"] for d in DOMAINS} for r in rows(straight)[1:]]
+    assert all(w == 1.0 for w in weights[0].values())  # nothing seen before the first step
+    assert len({round(w, 6) for w in weights[2].values()}) > 1 and np.isclose(np.mean(list(weights[2].values())), 1.0)
     for x, y in zip(student_params(straight), student_params(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert "weight_average" not in json.loads((resumed / "report.json").read_text())["domains"]["max"]
@@ -211,6 +217,11 @@ def test_bad_inputs_stop_the_merge_before_training(models, tmp_path):
     with pytest.raises(RoutingError, match="no teacher for domain\\(s\\) chain, sort"):
         merge(cfg)
     assert not (run_dir / "metrics.jsonl").exists()
+    # a divergence for a teacher the merge does not have
+    run_dir = tmp_path / "divergence"
+    with pytest.raises(MergeError, match=r"divergence_by_teacher names chess, which are not teachers \(addition, max, parity\)"):
+        merge(config(models, run_dir, "opd.loss=full", "divergence_by_teacher={chess: forward_kl}"))
+    assert not (run_dir / "metrics.jsonl").exists()
     # an experts directory whose expert never finished
     experts = tmp_path / "experts"
     (experts / "base").mkdir(parents=True)
@@ -231,6 +242,9 @@ def test_config_errors_name_the_problem(tmp_path):
     assert result.exit_code == 2 and "opd.loss 'full' needs each teacher's whole distribution" in result.output
     result = CliRunner().invoke(app, ["merge", os.devnull, "opd.los=full"], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "opd.los: unknown key" in result.output
+    result = CliRunner().invoke(app, ["merge", os.devnull, "divergence_by_teacher={max: forward_kl}", "experts_dir=x"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "divergence_by_teacher needs the teachers' distributions" in result.output
     save_config(config(Path("m"), tmp_path), tmp_path / "merge.yaml")
     assert load_config(tmp_path / "merge.yaml", schema=MergeConfig) == config(Path("m"), tmp_path)
 

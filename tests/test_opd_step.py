@@ -1,5 +1,6 @@
 """The OPD step against reference updates written from the formulas (sampled-token reverse KL
-through the clipped IcePop surrogate, MOPD reward mixing, full-vocabulary and top-k reverse KL),
+through the clipped IcePop surrogate, MOPD reward mixing, full-vocabulary and top-k reverse KL,
+forward KL and JSD(β), a divergence per teacher),
 the teachers' scoring pass against a plain forward, micro-batching, and the masked-token
 property."""
 
@@ -71,8 +72,20 @@ def log_softmax(x):
     return x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
 
 
-def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_size=1):
-    """One SGD step on the OPD objective, written from the formulas with plain jnp."""
+def reference_divergence(ls, lt, kind, beta):
+    kl = lambda lp, lq: jnp.sum(jnp.exp(lp) * (lp - lq), -1)  # noqa: E731
+    if kind == "reverse_kl":
+        return kl(ls, lt)
+    if kind == "forward_kl":
+        return kl(lt, ls)
+    lm = jnp.log(beta * jnp.exp(lt) + (1 - beta) * jnp.exp(ls))  # jsd
+    return beta * kl(lt, lm) + (1 - beta) * kl(ls, lm)
+
+
+def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_size=1, divergences=None):
+    """One SGD step on the OPD objective, written from the formulas with plain jnp; divergences:
+    each teacher's (default: config.divergence); batch.row_weights scale each row's distillation
+    term."""
     r = batch.rollout
     m = r.response_mask
     lold, linf = r.logp_old, r.logp_infer
@@ -81,7 +94,8 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_
     rewards = r.rewards.reshape(-1, group_size)
     group = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
     reward_adv = config.reward_alpha * group[:, None] * m
-    advantages = reward_adv + ((batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
+    balance = 1.0 if batch.row_weights is None else batch.row_weights[:, None]
+    advantages = reward_adv + (balance * (batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
     positions = r.positions
 
     def objective(params):
@@ -99,8 +113,10 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_
             else:  # both renormalised on the teacher's top-k tokens
                 ls = jnp.take_along_axis(ls, batch.teacher_ids, -1)
                 ls, lt = log_softmax(ls), log_softmax(batch.teacher_logprobs)
-            kl = jnp.sum(jnp.exp(ls) * (ls - lt), -1)
-            loss = loss + jnp.sum(w * kl * m) / jnp.sum(m)
+            kinds = divergences or (config.divergence,) * 2
+            per_row = jnp.stack([reference_divergence(ls, lt, kinds[k], config.jsd_beta) for k in range(2)])
+            kl = per_row[batch.teacher_index, jnp.arange(len(batch.teacher_index))]  # each row its teacher's kind
+            loss = loss + jnp.sum(w * balance * kl * m) / jnp.sum(m)
         return loss
 
     grads = jax.jit(jax.grad(objective))(state.params)
@@ -110,21 +126,27 @@ def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_
 # what the run passes to every step: two teachers, the engine's sampling temperature
 RUN = {"num_teachers": 2, "temperature": T_SAMPLE}
 
-VARIANTS = {  # config, samples per prompt
-    "sampled (GLM-5)": (OPDConfig(), 1),
-    "sampled + reward (MOPD)": (OPDConfig(reward_alpha=0.5), 4),
-    "full vocabulary": (OPDConfig(loss="full"), 1),
-    "top-k + reward": (OPDConfig(loss="top_k", top_k=8, reward_alpha=0.3), 4),
+VARIANTS = {  # config, samples per prompt, each teacher's divergence (None: the config's), balanced
+    "sampled (GLM-5)": (OPDConfig(), 1, None, False),
+    "sampled + reward (MOPD), balanced": (OPDConfig(reward_alpha=0.5), 4, None, True),
+    "full vocabulary": (OPDConfig(loss="full"), 1, None, False),
+    "top-k + reward": (OPDConfig(loss="top_k", top_k=8, reward_alpha=0.3), 4, None, False),
+    "full forward KL, balanced": (OPDConfig(loss="full", divergence="forward_kl"), 1, None, True),
+    "top-k JSD(0.3)": (OPDConfig(loss="top_k", top_k=8, divergence="jsd", jsd_beta=0.3), 1, None, False),
+    "full, per teacher: forward KL, JSD(0.3)": (OPDConfig(loss="full", jsd_beta=0.3), 1, ("forward_kl", "jsd"), False),
 }
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_step_matches_reference_sgd_update(name):
-    (config, group_size), lr = VARIANTS[name], 0.05
+    (config, group_size, divergences, balanced), lr = VARIANTS[name], 0.05
     state, batch, models, index = setup(optax.sgd(lr))
     distill = distill_batch(batch, models, index, config.loss, config.top_k)
-    new, metrics = jax.jit(functools.partial(opd_step, config=config, group_size=group_size, **RUN))(state, distill)
-    assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr, group_size), state.params)
+    if balanced:  # teacher 1's rows weigh four times teacher 0's
+        distill = distill.replace(row_weights=jnp.asarray(np.array([0.4, 1.6], np.float32)[index]))
+    step = functools.partial(opd_step, config=config, group_size=group_size, divergences=divergences, **RUN)
+    new, metrics = jax.jit(step)(state, distill)
+    assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr, group_size, divergences), state.params)
     assert int(new.step) == 1
     # the per-teacher reverse KL: mean of log π_old − log π_teacher over each teacher's tokens
     m, gap = host(batch.response_mask), host(batch.logp_old) - host(distill.logp_teacher)
@@ -223,5 +245,9 @@ def test_missing_inputs_are_named():
         opd_step(state, distill.replace(rollout=batch.replace(logp_old=None)), config=OPDConfig())
     with pytest.raises(ValueError, match="unknown OPD loss 'forward'"):
         OPDConfig(loss="forward")
+    with pytest.raises(ValueError, match="divergence 'forward_kl' needs the teacher's distribution: use loss 'full'"):
+        OPDConfig(divergence="forward_kl")
+    with pytest.raises(ValueError, match=r"one divergence per teacher \(2\)"):
+        opd_step(state, distill, config=OPDConfig(loss="full"), num_teachers=2, divergences=("forward_kl",))
     with pytest.raises(ValueError, match="not a whole number of groups of 3"):
         opd_step(state, distill, config=OPDConfig(reward_alpha=1.0), group_size=3)

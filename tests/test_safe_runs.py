@@ -117,6 +117,24 @@ def test_a_finished_run_is_never_written_into(straight):
     assert hashes(straight) == before
 
 
+def test_a_run_killed_in_its_export_is_finished_by_resume(straight, tmp_path):
+    """Killed after its last checkpoint (run.json still says running, the export not written):
+    --resume trains no step and only finishes the export."""
+    run_dir = tmp_path / "exporting"
+    shutil.copytree(straight, run_dir)
+    manifest = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**manifest, "status": "running"}))
+    (run_dir / "memory.json").unlink()
+    before = {k: v for k, v in hashes(run_dir).items()  # the checkpoints (not orbax's log) and the metrics
+              if k.startswith("checkpoints/") and not k.endswith(".log") or k == "metrics.jsonl"}
+    result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume")
+    assert result.exit_code == 0, result.output
+    assert "trained all 6 steps but did not finish its export: finishing it" in result.output
+    assert (run_dir / "memory.json").exists() and json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    after = hashes(run_dir)
+    assert all(after[k] == v for k, v in before.items())  # no step trained, no row logged
+
+
 def test_resume_needs_a_run_to_resume(tmp_path):
     one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'typo'}", "--resume"), "does not exist",
                    "nothing to resume")

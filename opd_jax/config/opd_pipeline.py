@@ -23,6 +23,7 @@ from opd_jax.config.schema import (
     TrainConfig,
 )
 from opd_jax.core import OPDConfig, OptimizerConfig
+from opd_jax.core.opd import Divergence
 from opd_jax.parallel import DistributedConfig, MeshConfig
 
 
@@ -114,6 +115,20 @@ class TeachersSection(Section):
         return self
 
 
+class BalanceSection(Section):
+    """Domain balancing: each teacher's rows weigh in the distillation loss by how far the student
+    still is from it. Per teacher, r = the moving average (decay) of its rows' sampled reverse
+    KL over the steps that had them; weight = max(max(r, 0) / mean r, floor), the weights
+    rescaled to mean 1 (`opd_jax.core.balance_weights`). Logged as opd/balance_weight/<teacher>."""
+
+    enabled: bool = False
+    """Weigh each teacher's rows by its running divergence (off: every row 1)."""
+    floor: float = Field(0.25, gt=0, le=1)
+    """The least weight (before the rescaling to mean 1) a teacher whose domain is learnt keeps."""
+    decay: float = Field(0.9, ge=0, lt=1)
+    """The moving average's decay per step with the teacher's rows (0: this step's value only)."""
+
+
 class BaselinesSection(Section):
     """What the merged student is judged against: the experts' parameters averaged, and task
     arithmetic θ_base + λ·Σ_k (θ_k − θ_base) with λ picked by the mean accuracy on validation
@@ -170,6 +185,10 @@ class MergeConfig(Section):
     """The student's rollout engine and sampling."""
     opd: OPDConfig = OPDConfig()
     """The OPD step."""
+    divergence_by_teacher: dict[str, Divergence] = {}
+    """Teacher (expert) name → the divergence its rows minimise, in place of opd.divergence (loss full / top_k)."""
+    balance: BalanceSection = BalanceSection()
+    """Domain balancing: teachers still far from the student weigh more."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     """The student's optimizer."""
     data: MergeDataSection = MergeDataSection()
@@ -195,6 +214,8 @@ class MergeConfig(Section):
         if self.teachers.engine == "sglang" and self.opd.loss != "sampled":
             raise ValueError(f"opd.loss {self.opd.loss!r} needs each teacher's whole distribution: use "
                              f"teachers.engine 'local', or opd.loss 'sampled' with SGLang teachers")
+        if self.divergence_by_teacher and self.opd.loss == "sampled":
+            raise ValueError("divergence_by_teacher needs the teachers' distributions: set opd.loss to 'full' or 'top_k'")
         if self.teachers.engine == "sglang" and self.rollout.temperature not in (0.0, 1.0):
             raise ValueError("SGLang teachers score at temperature 1 (prompt log-probs are not tempered): "
                              "set rollout.temperature to 1 (or 0, greedy)")

@@ -31,11 +31,15 @@ from opd_jax.core.mismatch import (
     tis_weights,
 )
 from opd_jax.core.opd import (
-    full_reverse_kl,
+    DIVERGENCES,
+    balance_weights,
+    divergence,
+    full_support,
     opd_advantages,
     reverse_kl_advantage,
+    running_divergence,
     select_teacher,
-    top_k_reverse_kl,
+    top_k_support,
 )
 from opd_jax.core.opd_step import DISTILL_LOSSES, DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
 from opd_jax.core.optim import OptimizerConfig, make_optimizer
@@ -44,13 +48,14 @@ from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import UpdateConfig
 
-__all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "BatchError", "DistillBatch", "KLConfig", "MismatchCorrection",
+__all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "DIVERGENCES", "BatchError", "DistillBatch", "KLConfig",
+           "MismatchCorrection",
            "OPDConfig", "OptimizerConfig", "PPOConfig", "PPOState", "PolicyState", "RolloutBatch", "SurrogateConfig",
-           "UpdateConfig", "advantages_and_returns", "aggregate", "full_reverse_kl", "gae", "group_advantages",
+           "UpdateConfig", "advantages_and_returns", "aggregate", "balance_weights", "divergence", "full_support", "gae", "group_advantages",
            "icepop_weights", "kl_estimate",
            "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics", "mismatch_weights",
            "opd_advantages", "opd_step", "outcome_rewards", "policy_logprobs", "policy_loss", "ppo_step",
            "reinforce_pp_advantages",
-           "reverse_kl_advantage", "rloo_advantages", "score_batch", "score_student", "select_teacher", "sequence_logits",
+           "reverse_kl_advantage", "rloo_advantages", "running_divergence", "score_batch", "score_student", "select_teacher", "sequence_logits",
            "sequence_logprobs", "sequence_values", "sft_step", "shift_right", "teacher_scores", "tis_weights",
-           "token_logprobs", "top_k_reverse_kl", "validate_batch", "value_loss", "whiten"]
+           "token_logprobs", "top_k_support", "validate_batch", "value_loss", "whiten"]

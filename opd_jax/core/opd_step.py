@@ -9,10 +9,12 @@ Losses (`OPDConfig.loss`):
 - "sampled" (GLM-5 §3.5, Thinking Machines): Â_t = sg[log π_t(y_t) − log π_old(y_t)] through the
   clipped surrogate with the mismatch weights (IcePop by default), plus α·Â^ORM (MiMo MOPD) when
   reward_alpha > 0, Â^ORM the group-baseline advantage of the task reward.
-- "full": the reverse KL over the whole vocabulary at each response position, Σ_v π_s log(π_s/π_t),
-  minimised directly (teachers must be local: the step needs the teacher's whole distribution).
+- "full": a divergence (`OPDConfig.divergence`: reverse KL Σ_v π_s log(π_s/π_t) by default,
+  forward KL, GKD's JSD(β), skew KL; see `opd_jax.core.opd.divergence`) over the whole
+  vocabulary at each response position, minimised directly (teachers must be local: the step
+  needs the teacher's whole distribution). The caller may give each teacher its own divergence.
 - "top_k": the same on the teacher's top-k tokens, both distributions renormalised there.
-For "full" and "top_k" each position's KL is multiplied by the same mismatch weight, and
+For "full" and "top_k" each position's divergence is multiplied by the same mismatch weight, and
 α > 0 adds α × the clipped surrogate of Â^ORM. surrogate.entropy_coef > 0 subtracts coef · the
 student's mean entropy on the response tokens from the loss.
 
@@ -40,7 +42,7 @@ from opd_jax.core.forward import policy_logprobs, sequence_logits
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import mismatch_weights
-from opd_jax.core.opd import full_reverse_kl, reverse_kl_advantage, top_k_reverse_kl
+from opd_jax.core.opd import DIVERGENCES, Divergence, divergence, full_support, reverse_kl_advantage, top_k_support
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import (
     UpdateConfig,
@@ -67,7 +69,14 @@ class OPDConfig:
     __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
     loss: DistillLoss = "sampled"
-    """sampled: the sampled-token reverse KL as advantage (GLM-5); full / top_k: reverse KL on the vocabulary / top-k."""
+    """sampled: the sampled-token reverse KL as advantage (GLM-5); full / top_k: `divergence` on the vocabulary / top-k."""
+    divergence: Divergence = "reverse_kl"
+    """For loss full / top_k, what each position minimises: reverse_kl (mode-seeking), forward_kl
+    (mass-covering), jsd (GKD's JSD(β), between the two), skew_forward_kl / skew_reverse_kl."""
+    jsd_beta: float = 0.5
+    """JSD(β)'s β in (0, 1): the teacher's weight in the mixture (→ 0: forward KL, → 1: reverse KL, scaled)."""
+    skew_alpha: float = 0.1
+    """Skew KL's α in (0, 1]: the other distribution's weight in the mixture (1: plain KL)."""
     top_k: int = 32
     """Teacher tokens per position for loss top_k."""
     reward_alpha: float = 0.0
@@ -82,6 +91,15 @@ class OPDConfig:
     def __post_init__(self):
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"unknown OPD loss {self.loss!r}; use one of {', '.join(DISTILL_LOSSES)}")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"unknown divergence {self.divergence!r}; use one of {', '.join(DIVERGENCES)}")
+        if self.loss == "sampled" and self.divergence != "reverse_kl":
+            raise ValueError(f"divergence {self.divergence!r} needs the teacher's distribution: use loss 'full' or "
+                             f"'top_k' (loss 'sampled' estimates the reverse KL from the sampled tokens)")
+        if not 0.0 < self.jsd_beta < 1.0:
+            raise ValueError(f"jsd_beta must be in (0, 1) (its ends are forward_kl and reverse_kl), got {self.jsd_beta}")
+        if not 0.0 < self.skew_alpha <= 1.0:
+            raise ValueError(f"skew_alpha must be in (0, 1], got {self.skew_alpha}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.reward_alpha < 0:
@@ -100,13 +118,16 @@ class DistillBatch:
 
     rollout: with logp_old filled (the student's θ_old at the sampling temperature);
     teacher_index: int32 [B], the teacher of each row (its domain's); logp_teacher: [B, T];
-    teacher_logprobs, teacher_ids: [B, T, K] (loss "top_k") or teacher_logprobs [B, T, V] ("full")."""
+    teacher_logprobs, teacher_ids: [B, T, K] (loss "top_k") or teacher_logprobs [B, T, V] ("full");
+    row_weights: [B], each row's weight in the distillation term (domain balancing, see
+    `balance_weights`; None: 1), not in the reward term."""
 
     rollout: RolloutBatch
     teacher_index: jax.Array
     logp_teacher: jax.Array
     teacher_logprobs: jax.Array | None = None
     teacher_ids: jax.Array | None = None
+    row_weights: jax.Array | None = None
 
 
 # --- forward passes -------------------------------------------------------------------------
@@ -160,6 +181,9 @@ def _check(batch: DistillBatch, config: OPDConfig, group_size: int) -> None:
                             custom_message="opd_step: logp_teacher must be [B, T] like the tokens")
     chex.assert_shape(batch.teacher_index, rollout.tokens.shape[:1],
                       custom_message="opd_step: teacher_index must hold one teacher per row")
+    if batch.row_weights is not None:
+        chex.assert_shape(batch.row_weights, rollout.tokens.shape[:1],
+                          custom_message="opd_step: row_weights must hold one weight per row")
     if config.loss != "sampled":
         if batch.teacher_logprobs is None:
             raise ValueError(f"loss {config.loss!r} needs batch.teacher_logprobs (local teachers' distributions)")
@@ -180,7 +204,8 @@ def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teache
     if config.reward_alpha > 0:
         group = group_advantages(rollout.rewards, group_size, config.grpo_normalize_std)
         reward = jnp.where(m > 0, group[:, None], 0.0)
-    advantages = config.reward_alpha * reward + (distill if config.loss == "sampled" else 0.0)
+    balance = 1.0 if batch.row_weights is None else batch.row_weights[:, None].astype(jnp.float32)
+    advantages = config.reward_alpha * reward + (balance * distill if config.loss == "sampled" else 0.0)
     n = jnp.maximum(jnp.sum(m), 1.0)
     row_tokens = jnp.sum(m, axis=1)
     # per-teacher mean of the sampled reverse KL, log π_old − log π_teacher, over its rows' tokens
@@ -195,8 +220,25 @@ def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teache
     return _OPDTargets(batch=batch, mask=m, weights=weights, advantages=advantages), stats
 
 
+def _position_divergence(student_logits: jax.Array, batch: DistillBatch, config: OPDConfig,
+                         divergences: tuple[str, ...]) -> jax.Array:
+    """Each response position's divergence [B, T] to its row's teacher, of the kind given for that
+    teacher (divergences[k] for teacher k)."""
+    if config.loss == "full":
+        log_s, log_t = full_support(student_logits, batch.teacher_logprobs)
+    else:
+        log_s, log_t = top_k_support(student_logits, batch.teacher_logprobs, batch.teacher_ids)
+    kinds = tuple(dict.fromkeys(divergences))
+    per_kind = [divergence(log_s, log_t, kind, jsd_beta=config.jsd_beta, skew_alpha=config.skew_alpha)  # type: ignore[arg-type]
+                for kind in kinds]
+    if len(kinds) == 1:
+        return per_kind[0]
+    which = jnp.asarray([kinds.index(k) for k in divergences], jnp.int32)[batch.teacher_index]  # [B]
+    return jnp.take_along_axis(jnp.stack(per_kind), which[None, :, None], axis=0)[0]
+
+
 def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTargets, config: OPDConfig,
-            temperature: float):
+            temperature: float, divergences: tuple[str, ...]):
     s = config.surrogate
     normalizer = loss_denominator(targets.mask, s.loss_agg)
     use_surrogate = config.loss == "sampled" or config.reward_alpha > 0
@@ -212,12 +254,10 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
                                         eps_high=s.eps_high, dual_clip=s.dual_clip, weights=t.weights,
                                         agg=s.loss_agg, normalizer=normalizer, kind=s.kind)
         if config.loss != "sampled":
-            student = shift_right(logits)
-            if config.loss == "full":
-                kl = full_reverse_kl(student, t.batch.teacher_logprobs)
-            else:
-                kl = top_k_reverse_kl(student, t.batch.teacher_logprobs, t.batch.teacher_ids)
-            distill, _, _ = aggregate(t.weights * kl, t.mask, s.loss_agg, normalizer)
+            per_position = _position_divergence(shift_right(logits), t.batch, config, divergences)
+            if t.batch.row_weights is not None:
+                per_position = per_position * t.batch.row_weights[:, None]
+            distill, _, _ = aggregate(t.weights * per_position, t.mask, s.loss_agg, normalizer)
             metrics = {**metrics, "distill_loss": summed_loss(distill)}
             if use_surrogate:
                 metrics["reward_loss"] = summed_loss(loss)
@@ -234,22 +274,30 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
 
 
 def opd_step(state: PolicyState, batch: DistillBatch, *, config: OPDConfig, group_size: int = 1,
-             num_teachers: int = 1, temperature: float = 1.0) -> tuple[PolicyState, dict[str, jax.Array]]:
+             num_teachers: int = 1, temperature: float = 1.0, divergences: tuple[str, ...] | None = None
+             ) -> tuple[PolicyState, dict[str, jax.Array]]:
     """One OPD iteration on a scored batch (see the module docstring). group_size: samples per
     prompt (the reward advantage's groups); num_teachers: how many teachers teacher_index ranges
-    over; temperature: the engine's sampling temperature (student and teachers scored at it).
+    over; temperature: the engine's sampling temperature (student and teachers scored at it);
+    divergences: each teacher's own divergence for loss full / top_k (None: config.divergence for all).
     Metrics are combined over the epochs × mini-batches updates (maxima kept): "student/*" from the
     updates, and batch statistics: the sampled reverse KL to the teachers ("opd/reverse_kl", and
     per teacher "opd/reverse_kl/teacher<k>"), reward, length, mismatch."""
     if group_size < 1 or num_teachers < 1 or temperature <= 0:
         raise ValueError(f"opd_step needs group_size >= 1, num_teachers >= 1 and temperature > 0, got "
                          f"{group_size}, {num_teachers}, {temperature}")
+    divergences = tuple(divergences) if divergences is not None else (config.divergence,) * num_teachers
+    if len(divergences) != num_teachers or not set(divergences) <= set(DIVERGENCES):
+        raise ValueError(f"opd_step needs one divergence per teacher ({num_teachers}) among {', '.join(DIVERGENCES)}, "
+                         f"got {divergences}")
+    if config.loss == "sampled" and set(divergences) != {"reverse_kl"}:
+        raise ValueError("per-teacher divergences other than reverse_kl need loss 'full' or 'top_k'")
     _check(batch, config, group_size)
     targets, stats = _targets(batch, config, group_size, num_teachers)
 
     def update(carry, mb: _OPDTargets):
         params, opt_state = carry
-        params, opt_state, metrics = _update(state, params, opt_state, mb, config, temperature)
+        params, opt_state, metrics = _update(state, params, opt_state, mb, config, temperature, divergences)
         return (params, opt_state), prefixed("student/", metrics)
 
     (params, opt_state), metrics = run_updates(update, (state.params, state.opt), targets, config.update)

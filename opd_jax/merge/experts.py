@@ -28,7 +28,17 @@ from opd_jax.config.opd_pipeline import ExpertsConfig
 from opd_jax.data import source_domains
 from opd_jax.errors import OpdJaxError
 from opd_jax.models import save_model
-from opd_jax.train import RunError, build_model, checkpoint_steps, held_out_evaluator, lock, read_metrics, train, warm_start
+from opd_jax.train import (
+    RunError,
+    build_model,
+    checkpoint_steps,
+    held_out_evaluator,
+    lock,
+    read_metrics,
+    run_status,
+    train,
+    warm_start,
+)
 
 BASE = "base"
 
@@ -125,7 +135,7 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
     resume = bool(done)
     began = time.perf_counter()
     try:
-        if not done or done[-1] < cfg.steps:  # trained to the end already: only its summary is missing
+        if run_status(directory) != "finished":  # else trained and exported already: only its summary is missing
             train(cfg, resume=resume)
     except RunError as e:
         raise ExpertsError(f"expert {name!r}: {e}") from None

@@ -19,8 +19,16 @@ import jax
 import numpy as np
 
 from opd_jax.config import MergeConfig, ModelSection, scoring_temperature
-from opd_jax.core import DistillBatch, PolicyState, make_optimizer, opd_step, score_student
-from opd_jax.merge.plan import MergePlan, resolve_plan
+from opd_jax.core import (
+    DistillBatch,
+    PolicyState,
+    balance_weights,
+    make_optimizer,
+    opd_step,
+    running_divergence,
+    score_student,
+)
+from opd_jax.merge.plan import MergeError, MergePlan, resolve_plan
 from opd_jax.merge.report import write_report
 from opd_jax.merge.routing import teacher_indices
 from opd_jax.merge.teachers import Teachers, build_teachers
@@ -62,8 +70,14 @@ class OPDTask:
         self.update = opd.update
         self.scoring_fn = functools.partial(score_student, temperature=self.temperature,
                                             microbatches=opd.update.microbatches)
-        self.step_fn = functools.partial(opd_step, config=opd, group_size=group,
-                                         num_teachers=len(self.plan.teachers), temperature=self.temperature)
+        names = self.plan.teacher_names
+        unknown = sorted(set(config.divergence_by_teacher) - set(names))
+        if unknown:
+            raise MergeError(f"divergence_by_teacher names {', '.join(unknown)}, which are not teachers ({', '.join(names)})")
+        self.step_fn = functools.partial(opd_step, config=opd, group_size=group, num_teachers=len(names),
+                                         temperature=self.temperature,
+                                         divergences=tuple(config.divergence_by_teacher.get(n, opd.divergence) for n in names))
+        self.running = np.full(len(names), np.nan, np.float32)  # each teacher's running divergence (balancing)
 
     def check_inputs(self) -> None:
         models = {"student": self.plan.student}
@@ -87,7 +101,14 @@ class OPDTask:
 
     def extra_inputs(self, batch, rollouts) -> dict[str, Any]:
         index = teacher_indices([r.metadata["domain"] for r in rollouts], self.plan.routes)
-        return {"teacher_index": index, **self.teachers.score(batch, index)}
+        extra = {"teacher_index": index, **self.teachers.score(batch, index)}
+        if self.config.balance.enabled:
+            extra["row_weights"] = self.balance_weights()[index]
+        return extra
+
+    def balance_weights(self) -> np.ndarray:
+        """Each teacher's weight this step, from the running divergences so far."""
+        return np.asarray(balance_weights(self.running, self.config.balance.floor), np.float32)
 
     def step_input(self, scored, extra: dict[str, Any]) -> DistillBatch:
         return DistillBatch(rollout=scored, **extra)
@@ -96,7 +117,23 @@ class OPDTask:
         return {k: v for k, v in extra.items() if getattr(v, "ndim", 0) == 2}  # the teachers' per-token scores
 
     def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
-        return name_teachers(metrics, self.plan.teacher_names, set(np.asarray(extra["teacher_index"]).tolist()))
+        present = set(np.asarray(extra["teacher_index"]).tolist())
+        names = self.plan.teacher_names
+        if self.config.balance.enabled:
+            # the weights this step trained with (extra_inputs's), then this step's divergences folded in
+            metrics.update({f"opd/balance_weight/{name}": float(w) for name, w in zip(names, self.balance_weights())})
+            observed = np.array([metrics[f"opd/reverse_kl/teacher{k}"] for k in range(len(names))], np.float32)
+            self.running = np.asarray(running_divergence(self.running, observed, np.isin(np.arange(len(names)), list(present)),
+                                                         self.config.balance.decay), np.float32)
+        return name_teachers(metrics, names, present)
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the state: the running divergences (NaN: not seen yet)."""
+        return {"running_divergence": [None if np.isnan(v) else float(v) for v in self.running]}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        if "running_divergence" in saved:
+            self.running = np.array([np.nan if v is None else v for v in saved["running_divergence"]], np.float32)
 
     def finish(self, state: PolicyState, run_dir: Path, phases: dict[str, float]) -> None:
         began = time.perf_counter()

@@ -12,10 +12,10 @@ from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
 from opd_jax.train.loop import PPOTask, memory_report, train
 from opd_jax.train.metrics import read_metrics
 from opd_jax.train.preflight import check_run_inputs
-from opd_jax.train.run_dir import checkpoint_steps, lock
+from opd_jax.train.run_dir import checkpoint_steps, lock, run_status
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import warm_start
 
 __all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
            "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report", "read_metrics", "run",
-           "sglang_engine", "train", "warm_start"]
+           "run_status", "sglang_engine", "train", "warm_start"]

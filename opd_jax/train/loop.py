@@ -92,6 +92,12 @@ class PPOTask:
         # the step fills in: they are not measurements, and would read as a collapsed entropy.
         return {k: v for k, v in metrics.items() if not k.startswith("policy/") or k == "policy/trained"}
 
+    def resume_state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        pass
+
     def finish(self, state: PPOState, run_dir: Path, phases: dict[str, float]) -> None:
         with (run_dir / "memory.json").open("w") as f:
             json.dump(memory_report(state), f)

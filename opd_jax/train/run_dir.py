@@ -46,6 +46,15 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
+def run_status(run_dir: Path) -> str | None:
+    """The status run.json records (running, finished, interrupted, failed; a killed run stays
+    "running"), or None where there is no run. A run is done when this says "finished"."""
+    try:
+        return json.loads((Path(run_dir) / MANIFEST).read_text()).get("status")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def lock(run_dir: Path, command: str) -> Any:
     """An exclusive lock on the directory (created if missing), released when the returned file
     is closed (or the process dies). A held lock raises RunDirError naming its holder."""

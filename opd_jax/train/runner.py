@@ -88,7 +88,15 @@ class Task(Protocol):
 
     def step_input(self, scored: Any, extra: dict[str, Any]) -> Any: ...
 
-    def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]: ...
+    def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
+        """The step's metrics as logged (named); a task that keeps running statistics across steps
+        (the merge's domain balancing) folds this step's in here."""
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a checkpoint must hold of the task's own running statistics (JSON)."""
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take back `resume_state()`'s dict from the checkpoint a run resumes from."""
 
     def finish(self, state: Any, run_dir: Path, phases: dict[str, float]) -> None:
         """Export and report (process 0 only; the runner calls it after the last step)."""
@@ -138,9 +146,11 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
 
 def _check_resumable(config: Any, directory: RunDirectory, force: bool) -> None:
     latest = checkpoint_steps(directory.path)[-1]
-    if latest >= config.steps:
+    if latest >= config.steps and directory.manifest.get("status") == "finished":
         raise RunDirError(f"{directory.path} has run {latest} of {config.steps} steps: nothing to resume (raise steps "
                           f"to train further)")
+    if latest >= config.steps:  # stopped after its last checkpoint, in the export or report: only they run again
+        say(f"{directory.path} trained all {config.steps} steps but did not finish its export: finishing it")
     previous = directory.previous_config()
     if previous is None:
         return
@@ -178,6 +188,7 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
         state, meta, start = task.create_state(), None, 0
         if resume:
             start, state, meta = checkpoints.restore_latest(state)
+            task.restore(meta.get("task", {}))
             say(f"resuming {run_dir} from step {start}")
             directory.record_config(dump_config(config))
         state = shard(state, tree_shardings(state, mesh))
@@ -281,7 +292,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
         stop = signals.requested()
         if done % config.checkpoint.every == 0 or done == config.steps or stop:
             with _timed(phases, "checkpoints"):
-                checkpoints.save(done, state, session.state())
+                checkpoints.save(done, state, {**session.state(), "task": task.resume_state()})
             _write_phases(run_dir, phases)
         if stop and done < config.steps:
             raise Interrupted(f"{stop} after step {done} of {config.steps}: checkpoint saved (step {done}); continue "
