@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import jax
-
 from bench_common import machine
 
 ROOT = Path(__file__).resolve().parent.parent

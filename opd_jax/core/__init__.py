@@ -48,14 +48,12 @@ from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import UpdateConfig
 
-__all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "DIVERGENCES", "BatchError", "DistillBatch", "KLConfig",
-           "MismatchCorrection",
+__all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "DIVERGENCES", "BatchError", "DistillBatch", "KLConfig", "MismatchCorrection",
            "OPDConfig", "OptimizerConfig", "PPOConfig", "PPOState", "PolicyState", "RolloutBatch", "SurrogateConfig",
-           "UpdateConfig", "advantages_and_returns", "aggregate", "balance_weights", "divergence", "full_support", "gae", "group_advantages",
-           "icepop_weights", "kl_estimate",
-           "length_adaptive_lambda", "loss_denominator", "make_optimizer", "mismatch_metrics", "mismatch_weights",
-           "opd_advantages", "opd_step", "outcome_rewards", "policy_logprobs", "policy_loss", "ppo_step",
-           "reinforce_pp_advantages",
-           "reverse_kl_advantage", "rloo_advantages", "running_divergence", "score_batch", "score_student", "select_teacher", "sequence_logits",
-           "sequence_logprobs", "sequence_values", "sft_step", "shift_right", "teacher_scores", "tis_weights",
-           "token_logprobs", "top_k_support", "validate_batch", "value_loss", "whiten"]
+           "UpdateConfig", "advantages_and_returns", "aggregate", "balance_weights", "divergence", "full_support", "gae",
+           "group_advantages", "icepop_weights", "kl_estimate", "length_adaptive_lambda", "loss_denominator", "make_optimizer",
+           "mismatch_metrics", "mismatch_weights", "opd_advantages", "opd_step", "outcome_rewards", "policy_logprobs",
+           "policy_loss", "ppo_step", "reinforce_pp_advantages", "reverse_kl_advantage", "rloo_advantages", "running_divergence",
+           "score_batch", "score_student", "select_teacher", "sequence_logits", "sequence_logprobs", "sequence_values",
+           "sft_step", "shift_right", "teacher_scores", "tis_weights", "token_logprobs", "top_k_support", "validate_batch",
+           "value_loss", "whiten"]
