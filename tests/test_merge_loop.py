@@ -128,10 +128,11 @@ def test_report(sharded_run):
 
 def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path):
     # top-k JSD for two teachers, forward KL for the third; domain balancing (its running
-    # divergences resume with the checkpoint)
+    # divergences resume with the checkpoint); a student grown deeper and wider than its base
     extra = ("steps=3", "opd.loss=top_k", "opd.top_k=8", "opd.divergence=jsd", "divergence_by_teacher={max: forward_kl}",
-             "balance.enabled=true", "balance.decay=0.5", "opd.reward_alpha=0.5", "baselines.weight_average=false",
-             "baselines.task_arithmetic=false", "logging.eval_every=3")
+             "balance.enabled=true", "balance.decay=0.5", "grow.num_layers=3", "grow.intermediate_size=80",
+             "opd.reward_alpha=0.5", "baselines.weight_average=false", "baselines.task_arithmetic=false",
+             "logging.eval_every=3")
     straight = merge(config(models, tmp_path / "straight", *extra))
     interrupted = config(models, tmp_path / "resumed", *extra)
     merge(interrupted, stop_after=2)
@@ -145,6 +146,8 @@ def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path)
     for x, y in zip(student_params(straight), student_params(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert "weight_average" not in json.loads((resumed / "report.json").read_text())["domains"]["max"]
+    student, _ = load_model(resumed / "student")
+    assert (student.config.num_layers, student.config.intermediate_size) == (3, 80)
 
 
 def ragged_batch(rows_: int, seed: int = 0) -> RolloutBatch:

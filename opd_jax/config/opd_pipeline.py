@@ -129,6 +129,20 @@ class BalanceSection(Section):
     """The moving average's decay per step with the teacher's rows (0: this step's value only)."""
 
 
+class GrowSection(Section):
+    """A student with more capacity than its base: grown from it before the merge so that it starts
+    computing exactly the base's function (`opd_jax.models.grow`: added layers copy the layer below
+    with their output projections zeroed; added MLP units copy existing ones, their down rows
+    split). Dense students only."""
+
+    num_layers: int | None = Field(None, gt=0)
+    """The student's layers (unset: the base's)."""
+    intermediate_size: int | None = Field(None, gt=0)
+    """The student's MLP units per layer (unset: the base's)."""
+    noise: float = Field(1e-3, ge=0)
+    """Noise on the copied MLP units (× the weights' std), to break their symmetry (0: exact copies)."""
+
+
 class BaselinesSection(Section):
     """What the merged student is judged against: the experts' parameters averaged, and task
     arithmetic θ_base + λ·Σ_k (θ_k − θ_base) with λ picked by the mean accuracy on validation
@@ -162,7 +176,7 @@ class MergeConfig(Section):
     step (`opd`) trains the student."""
 
     # what a resumed merge cannot change without --force: the student's shapes, its teachers, its prompts
-    resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "experts_dir", "student", "teachers.paths", "teachers.domains",
+    resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "experts_dir", "student", "grow", "teachers.paths", "teachers.domains",
                                                "mix", "data.train", "data.seed", "data.chat_template")
 
     experts_dir: str | None = None
@@ -173,6 +187,8 @@ class MergeConfig(Section):
     """Seed of sampling."""
     student: ModelSection | None = None
     """The student's starting model; unset: the experts' base."""
+    grow: GrowSection = GrowSection()
+    """A larger student grown from that model (unset: the model as it is)."""
     teachers: TeachersSection = TeachersSection()
     """The teachers and how they score."""
     mix: dict[str, float] = {}

@@ -33,6 +33,7 @@ from opd_jax.merge.report import write_report
 from opd_jax.merge.routing import teacher_indices
 from opd_jax.merge.teachers import Teachers, build_teachers
 from opd_jax.models import save_model
+from opd_jax.models.grow import grow
 from opd_jax.train import build_model, check_run_inputs, run
 
 
@@ -88,6 +89,10 @@ class OPDTask:
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.plan.student)
+        growth = self.config.grow
+        if growth.num_layers or growth.intermediate_size:
+            self.policy = grow(self.policy, num_layers=growth.num_layers, intermediate_size=growth.intermediate_size,
+                               noise=growth.noise, seed=self.config.seed)
         began = time.perf_counter()
         self.teachers = build_teachers(self.plan.teachers, self.config.teachers, self.policy, self.tokenizer, mesh,
                                        self.config.opd, self.temperature, run_dir / "sglang_logs")
