@@ -5,6 +5,7 @@ Sections are the training config's own, so a knob means the same thing in every 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -297,3 +298,10 @@ class RecipeConfig(Section):
         """The `opd-jax experts` config of the recipe's first phase."""
         return ExpertsConfig(run_dir=f"{self.run_dir}/experts", base=self.base, expert=self.expert,
                              experts=self.domains, launch=self.launch)
+
+    def merge_config(self) -> MergeConfig:
+        """The `opd-jax merge` config of its second phase: the teachers are exactly the recipe's
+        domains' experts (not whatever else the experts directory holds)."""
+        paths = {d: str((Path(self.run_dir) / "experts" / "experts" / d / "hf_policy").resolve()) for d in self.domains}
+        teachers = self.merge.teachers.model_copy(update={"paths": paths})
+        return self.merge.model_copy(update={"teachers": teachers})

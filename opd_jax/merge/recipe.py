@@ -24,7 +24,6 @@ from opd_jax.config import RecipeConfig
 from opd_jax.errors import OpdJaxError
 from opd_jax.merge.experts import ExpertsError, expert_dir, run_experts
 from opd_jax.merge.loop import merge
-from opd_jax.merge.plan import MergeError, resolve_plan
 from opd_jax.merge.report import markdown_table
 from opd_jax.train import checkpoint_steps, run_status
 from opd_jax.train.console import say
@@ -83,7 +82,7 @@ def run_recipe(config: RecipeConfig) -> Path:
     merge_dir = Path(config.merge.logging.run_dir)
     began = _phase(ledger, 2, "merge", f"the experts into one student in {merge_dir}")
     if run_status(merge_dir) != "finished":
-        merge(config.merge, resume=bool(checkpoint_steps(merge_dir)))
+        merge(config.merge_config(), resume=bool(checkpoint_steps(merge_dir)))
     ledger.add("merge", time.perf_counter() - began, done=True)
 
     began = _phase(ledger, 3, "report", f"{run_dir / 'report.md'}")
@@ -94,16 +93,11 @@ def run_recipe(config: RecipeConfig) -> Path:
 
 
 def _merge_refusal(config: RecipeConfig) -> str:
-    """Why the merge cannot start: the merge's own check names the first unfinished expert."""
-    missing = [n for n in config.domains if not (expert_dir(config.experts_config().run_dir, n) / "expert.json").exists()]
-    try:
-        resolve_plan(config.merge)
-    except MergeError as e:
-        reason = str(e)
-    else:
-        reason = "every expert is finished"
-    return (f"the merge needs every expert and will not start ({reason}); finished experts are kept: missing "
-            f"{', '.join(missing) or 'none'}. Fix the failed job, then run the same command again.")
+    """Why the merge will not start: the experts it is missing (the finished ones are kept)."""
+    root = config.experts_config().run_dir
+    missing = [n for n in config.domains if not (expert_dir(root, n) / "expert.json").exists()]
+    return (f"the merge needs every domain's expert and will not start: missing {', '.join(missing)} (the finished "
+            f"experts are kept; fix the failed job, then run the same command again)")
 
 
 def write_recipe_report(config: RecipeConfig, wall: dict[str, float]) -> str:
