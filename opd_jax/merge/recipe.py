@@ -1,6 +1,6 @@
 """`opd-jax recipe`: the whole OPD merge in one command, resumable at any point.
 
-    [1/3] base and experts   `run_experts` into RUN_DIR/experts (finished ones kept, interrupted
+    [1/3] experts            `run_experts`: the base and every expert into RUN_DIR/experts (finished ones kept, interrupted
                              ones continued from their last checkpoint)
     [2/3] merge              `merge` into RUN_DIR/merge (continued from its last checkpoint, or
                              only its export and report finished, or skipped when done)
@@ -61,7 +61,7 @@ class _Ledger:
 
 
 def _phase(ledger: _Ledger, number: int, name: str, what: str) -> float:
-    say(f"[{number}/{len(PHASES)}] {what}" + (" (done)" if name in ledger.data["done"] else ""))
+    say(f"[{number}/{len(PHASES)}] {name}: {what}" + (" (done before)" if name in ledger.data["done"] else ""))
     return time.perf_counter()
 
 
@@ -85,7 +85,7 @@ def run_recipe(config: RecipeConfig) -> Path:
         merge(config.merge_config(), resume=bool(checkpoint_steps(merge_dir)))
     ledger.add("merge", time.perf_counter() - began, done=True)
 
-    began = _phase(ledger, 3, "report", f"{run_dir / 'report.md'}")
+    began = _phase(ledger, 3, "report", str(run_dir / "report.md"))
     report = write_recipe_report(config, ledger.data["wall_time_s"])
     ledger.add("report", time.perf_counter() - began, done=True)
     say(report)
@@ -108,6 +108,7 @@ def write_recipe_report(config: RecipeConfig, wall: dict[str, float]) -> str:
     merged = json.loads((Path(config.merge.logging.run_dir) / "report.json").read_text())
     ratios = {d: r for d, r in merged["student_over_expert"].items() if r is not None}
     below = sorted(d for d, r in ratios.items() if r < KEEP)
+    unscored = sorted(set(merged["student_over_expert"]) - set(ratios))
     report = {**merged, "recipe_wall_time_s": {**wall, "total": sum(wall.values())},
               "domains_kept": len(ratios) - len(below), "domains_below": below}
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -119,7 +120,8 @@ def write_recipe_report(config: RecipeConfig, wall: dict[str, float]) -> str:
         "the weight-space baselines.", "",
         markdown_table(merged).rstrip(), "",
         f"The student keeps at least {KEEP:.0%} of its expert on {len(ratios) - len(below)} of {len(ratios)} "
-        f"domains" + (f"; below: {', '.join(f'{d} ({ratios[d]:.2f})' for d in below)}." if below else "."), "",
+        f"domains" + (f"; below: {', '.join(f'{d} ({ratios[d]:.2f})' for d in below)}" if below else "")
+        + (f" (no ratio where the expert scores 0: {', '.join(unscored)})" if unscored else "") + ".", "",
         "Wall time (summed over every attempt): " + ", ".join(f"{p} {minutes(wall.get(p, 0.0))}" for p in PHASES[:2])
         + f", total {minutes(sum(wall.values()))}.", "",
         "![per domain](report.png)", ""])
