@@ -6,6 +6,7 @@ here and nowhere deeper."""
 
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.console import say
 from opd_jax.train.engines import sglang_engine
 from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
@@ -18,4 +19,4 @@ from opd_jax.train.sft import warm_start
 
 __all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
            "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report", "read_metrics", "run",
-           "run_status", "sglang_engine", "train", "warm_start"]
+           "run_status", "say", "sglang_engine", "train", "warm_start"]
