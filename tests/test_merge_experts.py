@@ -5,18 +5,14 @@ interrupted expert resumes; jobs that cannot run say why."""
 import json
 
 import pytest
+from merge_settings import BASE_AND_EXPERTS
 
 from opd_jax.config import ExpertsConfig, load_config, save_config
 from opd_jax.merge import ExpertsError, run_experts
 from opd_jax.merge.experts import expert_dir
 from opd_jax.models import load_model
 
-TINY = ["base.model.fresh.hidden_size=32", "base.model.fresh.intermediate_size=64", "base.model.fresh.num_layers=1",
-        "base.model.fresh.num_heads=2", "base.model.fresh.num_kv_heads=1", "base.model.fresh.head_dim=16",
-        "base.sft.steps=3", "base.sft.batch_size=16", "expert.steps=2", "expert.rollout.samples_per_prompt=2",
-        "expert.rollout.max_new_tokens=4", "expert.data.prompts_per_step=4", "expert.data.eval_prompts_per_domain=8",
-        "expert.logging.eval_every=2", "expert.logging.progress_bar=false", "expert.logging.tensorboard=false",
-        "expert.logging.plot=false", "expert.checkpoint.every=2",
+TINY = [*BASE_AND_EXPERTS, "base.sft.steps=3", "expert.steps=2", "expert.logging.eval_every=2", "expert.checkpoint.every=2",
         "experts={addition: [{builtin: addition, params: {digits: 1}}], max: [{builtin: max, params: {hi: 9}}]}"]
 
 

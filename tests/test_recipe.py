@@ -14,16 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from merge_settings import BASE_AND_EXPERTS
 
 from opd_jax.config import RecipeConfig, load_config
 from opd_jax.train import checkpoint_steps
 
-TINY = ["base.model.fresh.hidden_size=32", "base.model.fresh.intermediate_size=64", "base.model.fresh.num_layers=1",
-        "base.model.fresh.num_heads=2", "base.model.fresh.num_kv_heads=1", "base.model.fresh.head_dim=16",
-        "base.sft.steps=6", "base.sft.batch_size=16", "expert.steps=3", "expert.rollout.samples_per_prompt=2",
-        "expert.rollout.max_new_tokens=4", "expert.data.prompts_per_step=4", "expert.data.eval_prompts_per_domain=8",
-        "expert.logging.eval_every=3", "expert.logging.progress_bar=false", "expert.logging.tensorboard=false",
-        "expert.logging.plot=false", "expert.checkpoint.every=1",
+TINY = [*BASE_AND_EXPERTS, "base.sft.steps=6", "expert.steps=3", "expert.logging.eval_every=3", "expert.checkpoint.every=1",
         "merge.steps=4", "merge.rollout.max_new_tokens=4", "merge.data.prompts_per_step=6",
         "merge.data.eval_prompts_per_domain=8", "merge.logging.eval_every=4", "merge.logging.progress_bar=false",
         "merge.logging.tensorboard=false", "merge.logging.plot=false", "merge.checkpoint.every=1",

@@ -51,6 +51,15 @@ class JobsSection(Section):
     """The variable that hands a job its devices (TPU_VISIBLE_CHIPS on TPUs)."""
 
 
+def _check_named_sources(named: dict[str, list[SourceSpec]], kind: str) -> None:
+    """Each name can be a directory of its own (an expert's), and has at least one prompt source."""
+    for name, sources in named.items():
+        if not name or "/" in name or name == "base":
+            raise ValueError(f"{kind} name {name!r} cannot name a directory (or is 'base')")
+        if not sources:
+            raise ValueError(f"{kind} {name!r} has no data source: give it at least one (e.g. [{{builtin: addition}}])")
+
+
 class ExpertsConfig(Section):
     """`opd-jax experts`: the base, then each expert trained by the RL loop on its own prompts.
     `expert` holds everything the expert runs share (steps, rollout, algorithm, an optional
@@ -70,11 +79,7 @@ class ExpertsConfig(Section):
 
     @model_validator(mode="after")
     def _names(self) -> ExpertsConfig:
-        for name, sources in self.experts.items():
-            if not name or "/" in name or name == "base":
-                raise ValueError(f"expert name {name!r} cannot name a directory (or is 'base')")
-            if not sources:
-                raise ValueError(f"expert {name!r} has no prompt sources")
+        _check_named_sources(self.experts, "expert")
         return self
 
 
@@ -281,11 +286,7 @@ class RecipeConfig(Section):
 
     @model_validator(mode="after")
     def _domains_named_once(self) -> RecipeConfig:
-        for name, sources in self.domains.items():
-            if not name or "/" in name or name == "base":
-                raise ValueError(f"domain name {name!r} cannot name a directory (or is 'base')")
-            if not sources:
-                raise ValueError(f"domain {name!r} has no data source: give it at least one (e.g. [{{builtin: addition}}])")
+        _check_named_sources(self.domains, "domain")
         if self.merge.data.train or self.merge.teachers.paths:
             raise ValueError("the recipe's merge trains on its domains' experts: leave merge.data.train and "
                              "merge.teachers.paths out")
