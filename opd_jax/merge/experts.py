@@ -81,7 +81,7 @@ def expert_train_config(config: ExpertsConfig, name: str) -> TrainConfig:
         "logging.run_dir": str(expert_dir(config.run_dir, name)), "checkpoint.export_hf": True})
 
 
-def _write_json(path: Path, value: Any) -> None:
+def write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value, indent=2))
     tmp.replace(path)  # a kill mid-write never leaves half a summary behind
@@ -114,7 +114,7 @@ def _build_base(config: ExpertsConfig, directory: Path, summary_path: Path) -> d
         evaluator.close()
     summary = {"model": str(model_dir.resolve()), "eval": accuracy, "sft_steps": cfg.sft.steps,
                "wall_time_s": trained}
-    _write_json(summary_path, summary)
+    write_json(summary_path, summary)
     return summary
 
 
@@ -148,7 +148,7 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
                "eval": accuracy(evals[-1]) if evals else {},
                "eval_at_start": accuracy(evals[0]) if evals and evals[0]["step"] == 0 else None,
                "wall_time_s": time.perf_counter() - began, "resumed": resume}
-    _write_json(summary_path, summary)
+    write_json(summary_path, summary)
     return summary
 
 
@@ -219,7 +219,7 @@ def run_experts(config: ExpertsConfig, *, only: str | None = None) -> Path:
                 "experts": {n: json.loads((expert_dir(run_dir, n) / "expert.json").read_text())
                             for n in config.experts},
                 "wall_time_s": time.perf_counter() - began}
-    _write_json(run_dir / "experts.json", manifest)
+    write_json(run_dir / "experts.json", manifest)
     return run_dir
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from opd_jax.config import RecipeConfig
 from opd_jax.errors import OpdJaxError
-from opd_jax.merge.experts import ExpertsError, expert_dir, run_experts
+from opd_jax.merge.experts import ExpertsError, expert_dir, run_experts, write_json
 from opd_jax.merge.loop import merge
 from opd_jax.merge.report import markdown_table
 from opd_jax.train import checkpoint_steps, run_status, say
@@ -54,9 +54,7 @@ class _Ledger:
         self._write()
 
     def _write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
-        tmp.replace(self.path)
+        write_json(self.path, self.data)
 
 
 def _phase(ledger: _Ledger, number: int, name: str, what: str) -> float:
