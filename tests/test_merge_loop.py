@@ -27,6 +27,7 @@ from opd_jax.config import MergeConfig, load_config, save_config
 from opd_jax.core import RolloutBatch
 from opd_jax.core.opd_step import teacher_scores
 from opd_jax.merge import LocalTeachers, MergeError, RoutingError, TeacherError, merge, resolve_plan
+from opd_jax.merge.teacher_samples import draw_pool, pool_rows
 from opd_jax.models import Decoder, ModelConfig, load_model, save_model
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.parallel import MeshConfig, make_mesh
@@ -129,10 +130,13 @@ def test_report(sharded_run):
 def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path):
     # top-k JSD for two teachers, forward KL for the third; domain balancing (its running
     # divergences resume with the checkpoint); a student grown deeper and wider than its base
+    # divergence_by_teacher={max: forward_kl}; GKD's mixture (seed 3: steps 1 and 3 train on the
+    # teachers' samples, the resumed step among them) after a warm-up on them
     extra = ("steps=3", "opd.loss=top_k", "opd.top_k=8", "opd.divergence=jsd", "divergence_by_teacher={max: forward_kl}",
              "balance.enabled=true", "balance.decay=0.5", "grow.num_layers=3", "grow.intermediate_size=80",
              "opd.reward_alpha=0.5", "baselines.weight_average=false", "baselines.task_arithmetic=false",
-             "logging.eval_every=3")
+             "logging.eval_every=3", "seed=3", "teacher_samples.fraction=0.5", "teacher_samples.per_domain=4",
+             "teacher_samples.correct_only=false", "teacher_samples.warmup.steps=2", "teacher_samples.warmup.batch_size=4")
     straight = merge(config(models, tmp_path / "straight", *extra))
     interrupted = config(models, tmp_path / "resumed", *extra)
     merge(interrupted, stop_after=2)
@@ -140,6 +144,8 @@ def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path)
         merge(interrupted)
     resumed = merge(interrupted, resume=True)
     assert rows(resumed) == rows(straight)
+    assert [r["opd/pool_step"] for r in rows(straight)[1:]] == [1.0, 0.0, 1.0]
+    assert [f"opd/reverse_kl/{d}" in r for r in rows(straight)[1:] for d in DOMAINS[:1]] == [False, True, False]
     weights = [{d: r[f"opd/balance_weight/{d}"] for d in DOMAINS} for r in rows(straight)[1:]]
     assert all(w == 1.0 for w in weights[0].values())  # nothing seen before the first step
     assert len({round(w, 6) for w in weights[2].values()}) > 1 and np.isclose(np.mean(list(weights[2].values())), 1.0)
@@ -148,6 +154,48 @@ def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path)
     assert "weight_average" not in json.loads((resumed / "report.json").read_text())["domains"]["max"]
     student, _ = load_model(resumed / "student")
     assert (student.config.num_layers, student.config.intermediate_size) == (3, 80)
+
+
+def test_teachers_samples_are_the_teachers_own(models, tmp_path):
+    """The pool: each row sampled by its domain's teacher (the engine's log-probs are that
+    teacher's own, by a plain forward, and not another's), drawn again identically, written out
+    for reading; the warm-up trains the student on it (its first loss is the base student's
+    cross-entropy on the rows it drew, computed here); a teacher with no correct sample is named."""
+    run_dir = tmp_path / "run"
+    cfg = config(models, run_dir, "steps=1", "opd.loss=full",
+                 "teacher_samples.per_domain=8", "teacher_samples.correct_only=false", "teacher_samples.warmup.steps=3",
+                 "teacher_samples.warmup.batch_size=24", "teacher_samples.warmup.optimizer.learning_rate=0.05",
+                 "baselines.weight_average=false", "baselines.task_arithmetic=false")
+    plan = resolve_plan(cfg)
+    student, tokenizer = load_model(models / "student")
+    pool = draw_pool(cfg, plan, tokenizer, student)
+    assert pool.drawn == pool.kept == {d: 8 for d in DOMAINS} and len(pool.trajectories) == 24
+    batch, trajectories, index = pool.batch(np.arange(24), tokenizer.pad_token_id)
+    assert [plan.teacher_names[k] for k in index] == [t.metadata["domain"] for t in trajectories]
+    m = np.asarray(batch.response_mask)
+    for k, name in enumerate(plan.teacher_names):
+        teacher, _ = load_model(models / name)
+        own = np.asarray(teacher_scores(*nnx.split(teacher, nnx.Param), batch, loss="sampled")["logp_teacher"])
+        rows_k = index == k
+        np.testing.assert_allclose(np.asarray(batch.logp_infer)[rows_k] * m[rows_k], own[rows_k], atol=2e-4)
+        assert np.abs(np.asarray(batch.logp_infer)[~rows_k] * m[~rows_k] - own[~rows_k]).max() > 0.1
+    again = draw_pool(cfg, plan, tokenizer, student)
+    assert [t.response_ids for t in again.trajectories] == [t.response_ids for t in pool.trajectories]
+
+    merge(cfg)
+    written = [json.loads(line) for line in (run_dir / "teacher_samples.jsonl").read_text().splitlines()]
+    assert [(w["teacher"], w["response"]) for w in written] == \
+        [(plan.teacher_names[k], tokenizer.decode(list(t.response_ids))) for t, k in zip(pool.trajectories, index)]
+    losses = [json.loads(line)["sft/loss"] for line in (run_dir / "warmup_metrics.jsonl").read_text().splitlines()]
+    first, _, _ = pool.batch(pool_rows(24, 24, cfg.seed, 0, warmup=True), tokenizer.pad_token_id)
+    logp = np.asarray(teacher_scores(*nnx.split(student, nnx.Param), first, loss="sampled")["logp_teacher"])
+    mask = np.asarray(first.response_mask)
+    np.testing.assert_allclose(losses[0], -(logp * mask).sum() / mask.sum(), rtol=1e-4)
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2]  # every step sees the whole pool (24 rows)
+
+    with pytest.raises(TeacherError, match="teacher 'addition' answered none of 8 addition prompts correctly"):
+        draw_pool(config(models, run_dir, "teacher_samples.per_domain=8", "teacher_samples.fraction=0.5",
+                         "opd.loss=full"), plan, tokenizer, student)
 
 
 def ragged_batch(rows_: int, seed: int = 0) -> RolloutBatch:
@@ -248,6 +296,12 @@ def test_config_errors_name_the_problem(tmp_path):
     result = CliRunner().invoke(app, ["merge", os.devnull, "divergence_by_teacher={max: forward_kl}", "experts_dir=x"],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "divergence_by_teacher needs the teachers' distributions" in result.output
+    result = CliRunner().invoke(app, ["merge", os.devnull, "teacher_samples.fraction=0.5", "experts_dir=x"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "teacher_samples.fraction trains on the teachers' samples" in result.output
+    result = CliRunner().invoke(app, ["merge", os.devnull, "teacher_samples.fraction=1.5", "experts_dir=x"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "teacher_samples.fraction" in result.output and "Traceback" not in result.output
     save_config(config(Path("m"), tmp_path), tmp_path / "merge.yaml")
     assert load_config(tmp_path / "merge.yaml", schema=MergeConfig) == config(Path("m"), tmp_path)
 

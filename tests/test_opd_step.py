@@ -85,15 +85,17 @@ def reference_divergence(ls, lt, kind, beta):
 def reference_sgd_step(state, batch: DistillBatch, config: OPDConfig, lr, group_size=1, divergences=None):
     """One SGD step on the OPD objective, written from the formulas with plain jnp; divergences:
     each teacher's (default: config.divergence); batch.row_weights scale each row's distillation
-    term."""
+    term; batch.off_policy rows (a teacher's samples) have weight 1 and no reward term."""
     r = batch.rollout
     m = r.response_mask
     lold, linf = r.logp_old, r.logp_infer
     k = jnp.exp(lold - linf)
     w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * m  # IcePop, β = 2
+    own = 1.0 if batch.off_policy is None else 1.0 - batch.off_policy[:, None]
+    w = own * w + (1.0 - own) * m
     rewards = r.rewards.reshape(-1, group_size)
     group = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)).reshape(-1)
-    reward_adv = config.reward_alpha * group[:, None] * m
+    reward_adv = config.reward_alpha * group[:, None] * m * own
     balance = 1.0 if batch.row_weights is None else batch.row_weights[:, None]
     advantages = reward_adv + (balance * (batch.logp_teacher - lold) * m if config.loss == "sampled" else 0.0)
     positions = r.positions
@@ -159,6 +161,32 @@ def test_step_matches_reference_sgd_update(name):
         np.testing.assert_allclose(float(metrics["student/ratio_mean"]), 1.0, atol=1e-6)
     else:
         assert "student/ratio_mean" not in metrics and float(metrics["student/distill_loss"]) > 0
+
+
+@pytest.mark.parametrize("loss", ["full", "top_k"])
+def test_teachers_samples_train_unweighted_and_without_reward(loss):
+    """Rows flagged off_policy (a teacher's samples, GKD's mixture): their engine log-probs are the
+    teacher's, far from the student's, so IcePop would drop most of their tokens; the step gives
+    them weight 1 and no reward term, and the sampled reverse KL is reported over the student's
+    own rows only."""
+    config, lr = OPDConfig(loss=loss, top_k=8, reward_alpha=0.3), 0.05
+    state, batch, models, index = setup(optax.sgd(lr))
+    off = (np.arange(len(index)) // 4) % 2  # whole groups of 4: the second, fourth, ... are the teachers'
+    far = batch.logp_infer - 2.0 * jnp.asarray(off[:, None], jnp.float32) * batch.response_mask
+    distill = distill_batch(batch.replace(logp_infer=far), models, index, loss, 8).replace(
+        off_policy=jnp.asarray(off, jnp.float32))
+    step = functools.partial(opd_step, config=config, group_size=4, **RUN)
+    new, metrics = jax.jit(step)(state, distill)
+    assert_updates_close(new.params, reference_sgd_step(state, distill, config, lr, 4), state.params)
+    m, gap = host(batch.response_mask), host(batch.logp_old) - host(distill.logp_teacher)
+    own = (off == 0)[:, None] * m
+    np.testing.assert_allclose(float(metrics["opd/reverse_kl"]), (gap * own).sum() / own.sum(), rtol=1e-5)
+    for k in range(2):
+        rows = (index == k)[:, None] * own
+        np.testing.assert_allclose(float(metrics[f"opd/reverse_kl/teacher{k}"]), (gap * rows).sum() / rows.sum(), rtol=1e-5)
+    assert float(metrics["opd/off_policy_rows"]) == off.sum()
+    with pytest.raises(ValueError, match="off-policy rows need loss"):
+        opd_step(state, distill.replace(teacher_logprobs=None, teacher_ids=None), config=OPDConfig(), **RUN)
 
 
 def test_teacher_scores_match_a_plain_forward():

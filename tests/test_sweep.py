@@ -249,3 +249,26 @@ def test_raising_steps_resumes_the_finished_runs_and_leaves_them_out_until_they_
     assert command is not None and command[-1] == "--resume" and "steps=30" in command
     assert sweep.command("a", {}, 1) is None
     assert list(aggregate(sweep)["cells"]["a"]["runs"]) == ["1"]
+
+
+def test_a_merge_sweep_runs_opd_jax_merge_with_the_merge_seed_keys(tmp_path):
+    """command: merge resolves every cell against the merge config (a misspelt key is named with
+    its cell) and each run is an `opd-jax merge` whose seed keys are the merge's own."""
+    base = tmp_path / "merge.yaml"
+    base.write_text(yaml.safe_dump({"experts_dir": str(tmp_path / "experts"), "steps": 5}))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"command": "merge", "base": "merge.yaml", "seeds": [0, 1],
+                                    "grid": {"optimizer.learning_rate": [5e-4, 1e-3]}}))
+    sweep = Sweep(path, tmp_path / "out")
+    command = sweep.command(*sweep.cells[1], 1)
+    assert command[2:5] == ["opd_jax.cli", "merge", str(base)]
+    assert "optimizer.learning_rate=0.001" in command and "seed=1" in command and "data.seed=1" in command
+    assert not any(c.startswith("model.fresh.seed") for c in command)
+    path.write_text(yaml.safe_dump({"command": "merge", "base": "merge.yaml", "seeds": 2,
+                                    "grid": {"optimizer.learning_rat": [1e-3]}}))
+    with pytest.raises(SweepError, match="(?s)cell learning_rat=0.001: .*did you mean optimizer.learning_rate"):
+        Sweep(path, tmp_path / "out")
+    path.write_text(yaml.safe_dump({"command": "merge", "base": "merge.yaml", "seeds": 2, "warm_start": "shared",
+                                    "grid": {"steps": [2]}}))
+    with pytest.raises(ConfigError, match="warm_start 'shared' is for command 'train'"):
+        Sweep(path, tmp_path / "out")

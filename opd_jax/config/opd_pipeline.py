@@ -149,6 +149,30 @@ class GrowSection(Section):
     """Noise on the copied MLP units (× the weights' std), to break their symmetry (0: exact copies)."""
 
 
+class TeacherSamplesSection(Section):
+    """Samples of the teachers themselves: before the first step, each teacher answers
+    `per_domain` training prompts of each of its domains (its own sampling stream, at the
+    rollout's temperature and length), kept only where the verifier rewards them when
+    `correct_only`. The pool serves GKD's mixture (`fraction`) and MOPD's supervised warm-up
+    (`warmup`); it is written to RUN_DIR/teacher_samples.jsonl and drawn again identically on
+    resume. Off (no pool) while fraction and warmup.steps are 0."""
+
+    per_domain: int = Field(256, gt=0)
+    """Prompts per domain each teacher answers (one sample each)."""
+    correct_only: bool = True
+    """Keep only the samples the domain's verifier rewards (> 0)."""
+    fraction: float = Field(0.0, ge=0, le=1)
+    """GKD's mixture (its 1 − λ): each step, with this probability, trains on a batch drawn from the
+    pool instead of the student's own samples (0: on-policy only; 1: the teachers' samples only)."""
+    warmup: SFTSection = SFTSection()
+    """Supervised steps on the pool before the first OPD step (MOPD; steps 0: none). Cross-entropy
+    on the teacher's response tokens; not resumable (a kill in it starts the warm-up over)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction > 0 or self.warmup.steps > 0
+
+
 class BaselinesSection(Section):
     """What the merged student is judged against: the experts' parameters averaged, and task
     arithmetic θ_base + λ·Σ_k (θ_k − θ_base) with λ picked by the mean accuracy on validation
@@ -183,7 +207,8 @@ class MergeConfig(Section):
 
     # what a resumed merge cannot change without --force: the student's shapes, its teachers, its prompts
     resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "experts_dir", "student", "grow", "teachers.paths", "teachers.domains",
-                                               "mix", "data.train", "data.seed", "data.chat_template")
+                                               "mix", "data.train", "data.seed", "data.chat_template",
+                                               "teacher_samples.per_domain", "teacher_samples.correct_only")
 
     experts_dir: str | None = None
     """An `opd-jax experts` run directory: its base, experts and sources are the defaults."""
@@ -211,6 +236,8 @@ class MergeConfig(Section):
     """Teacher (expert) name → the divergence its rows minimise, in place of opd.divergence (loss full / top_k)."""
     balance: BalanceSection = BalanceSection()
     """Domain balancing: teachers still far from the student weigh more."""
+    teacher_samples: TeacherSamplesSection = TeacherSamplesSection()
+    """The teachers' own samples: GKD's mixture and a supervised warm-up on them."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     """The student's optimizer."""
     data: MergeDataSection = MergeDataSection()
@@ -236,6 +263,11 @@ class MergeConfig(Section):
         if self.teachers.engine == "sglang" and self.opd.loss != "sampled":
             raise ValueError(f"opd.loss {self.opd.loss!r} needs each teacher's whole distribution: use "
                              f"teachers.engine 'local', or opd.loss 'sampled' with SGLang teachers")
+        if self.teacher_samples.fraction > 0 and self.opd.loss == "sampled":
+            raise ValueError("teacher_samples.fraction trains on the teachers' samples, where the sampled loss (an on-policy "
+                             "estimate) does not apply: set opd.loss to 'full' or 'top_k'")
+        if self.teacher_samples.enabled and self.teachers.engine != "local":
+            raise ValueError("teacher_samples needs local teachers (teachers.engine 'local'): they generate the samples")
         if self.divergence_by_teacher and self.opd.loss == "sampled":
             raise ValueError("divergence_by_teacher needs the teachers' distributions: set opd.loss to 'full' or 'top_k'")
         if self.teachers.engine == "sglang" and self.rollout.temperature not in (0.0, 1.0):

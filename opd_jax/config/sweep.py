@@ -34,10 +34,13 @@ class CollapseSection(Section):
 
 
 class SweepConfig(Section):
-    """`opd-jax sweep`: every cell × every seed as an independent `opd-jax train` run."""
+    """`opd-jax sweep`: every cell × every seed as an independent `opd-jax train` (or `opd-jax
+    merge`) run."""
 
+    command: Literal["train", "merge"] = "train"
+    """What every run is: `opd-jax train` (base is a training config) or `opd-jax merge` (a merge config)."""
     base: Path
-    """The training config every run starts from (relative to the sweep file)."""
+    """The config every run starts from (relative to the sweep file)."""
     overrides: dict[str, Any] = {}
     """Dotted overrides for every cell."""
     grid: dict[str, list[Any]] = {}
@@ -50,8 +53,9 @@ class SweepConfig(Section):
     """Named cells, besides (or instead of) the grid's."""
     seeds: int | list[int] = 3
     """How many seeds (0..n−1) or which; each cell runs every one. At least 2 (an interval needs them)."""
-    seed_keys: list[str] = ["seed", "model.fresh.seed", "data.seed"]
-    """The config keys set to the run's seed (what a seed moves: sampling, model init, prompt order)."""
+    seed_keys: list[str] | None = None
+    """The config keys set to the run's seed (what a seed moves); unset: seed, model.fresh.seed and
+    data.seed for train (sampling, model init, prompt order), seed and data.seed for merge."""
     eval_metric: str = "eval/accuracy"
     """The held-out metric: final, best and gain over its first evaluation, per cell."""
     metrics: list[str] = []
@@ -72,6 +76,8 @@ class SweepConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> SweepConfig:
+        if self.command == "merge" and self.warm_start == "shared":
+            raise ValueError("warm_start 'shared' is for command 'train' (a merge starts from its experts' base)")
         if not self.grid and not self.axes and not self.cells:
             raise ValueError("the sweep has no cells: give a grid, axes, cells, or a mix")
         empty = [k for k, v in self.grid.items() if not v]
@@ -90,6 +96,12 @@ class SweepConfig(Section):
                 if name not in names:
                     raise ValueError(f"compare: no cell named {name!r} (cells: {', '.join(names)})")
         return self
+
+    @property
+    def seed_key_list(self) -> list[str]:
+        if self.seed_keys is not None:
+            return self.seed_keys
+        return ["seed", "model.fresh.seed", "data.seed"] if self.command == "train" else ["seed", "data.seed"]
 
     @property
     def seed_list(self) -> list[int]:

@@ -41,7 +41,7 @@ from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.forward import policy_logprobs, sequence_logits
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
-from opd_jax.core.mismatch import mismatch_weights
+from opd_jax.core.mismatch import mismatch_metrics, mismatch_weights
 from opd_jax.core.opd import DIVERGENCES, Divergence, divergence, full_support, reverse_kl_advantage, top_k_support
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import (
@@ -120,7 +120,10 @@ class DistillBatch:
     teacher_index: int32 [B], the teacher of each row (its domain's); logp_teacher: [B, T];
     teacher_logprobs, teacher_ids: [B, T, K] (loss "top_k") or teacher_logprobs [B, T, V] ("full");
     row_weights: [B], each row's weight in the distillation term (domain balancing, see
-    `balance_weights`; None: 1), not in the reward term."""
+    `balance_weights`; None: 1), not in the reward term;
+    off_policy: [B], 1 where the row was not sampled by the student (its teacher's sample, GKD's
+    fixed-dataset rows; None: every row the student's): the divergence is minimised on the given
+    prefixes with weight 1 (no importance correction applies) and the row has no reward term."""
 
     rollout: RolloutBatch
     teacher_index: jax.Array
@@ -128,6 +131,7 @@ class DistillBatch:
     teacher_logprobs: jax.Array | None = None
     teacher_ids: jax.Array | None = None
     row_weights: jax.Array | None = None
+    off_policy: jax.Array | None = None
 
 
 # --- forward passes -------------------------------------------------------------------------
@@ -184,6 +188,11 @@ def _check(batch: DistillBatch, config: OPDConfig, group_size: int) -> None:
     if batch.row_weights is not None:
         chex.assert_shape(batch.row_weights, rollout.tokens.shape[:1],
                           custom_message="opd_step: row_weights must hold one weight per row")
+    if batch.off_policy is not None:
+        chex.assert_shape(batch.off_policy, rollout.tokens.shape[:1],
+                          custom_message="opd_step: off_policy must hold one flag per row")
+        if config.loss == "sampled":
+            raise ValueError("off-policy rows need loss 'full' or 'top_k' (the sampled loss is an on-policy estimate)")
     if config.loss != "sampled":
         if batch.teacher_logprobs is None:
             raise ValueError(f"loss {config.loss!r} needs batch.teacher_logprobs (local teachers' distributions)")
@@ -199,24 +208,32 @@ def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teache
     m = rollout.response_mask.astype(jnp.float32)
     correction = config.surrogate.mismatch
     weights = mismatch_weights(rollout.logp_old, rollout.logp_infer, m, correction)
+    on_policy = 1.0
+    if batch.off_policy is not None:  # a teacher's sample: no behaviour policy of the student's to correct for
+        off = batch.off_policy[:, None] > 0
+        weights, on_policy = jnp.where(off, m, weights), jnp.where(off, 0.0, 1.0)
     distill = reverse_kl_advantage(batch.logp_teacher, rollout.logp_old, m)  # −(sampled reverse KL) per token
     reward = jnp.zeros_like(m)
     if config.reward_alpha > 0:
         group = group_advantages(rollout.rewards, group_size, config.grpo_normalize_std)
-        reward = jnp.where(m > 0, group[:, None], 0.0)
+        reward = jnp.where(m > 0, group[:, None], 0.0) * on_policy
     balance = 1.0 if batch.row_weights is None else batch.row_weights[:, None].astype(jnp.float32)
     advantages = config.reward_alpha * reward + (balance * distill if config.loss == "sampled" else 0.0)
-    n = jnp.maximum(jnp.sum(m), 1.0)
-    row_tokens = jnp.sum(m, axis=1)
-    # per-teacher mean of the sampled reverse KL, log π_old − log π_teacher, over its rows' tokens
+    # the sampled reverse KL, log π_old − log π_teacher, over the student's own rows' tokens (on a
+    # teacher's sample it would estimate minus the forward KL): overall and per teacher
+    student_tokens = m * on_policy
+    n = jnp.maximum(jnp.sum(student_tokens), 1.0)
     onehot = jax.nn.one_hot(batch.teacher_index, num_teachers, dtype=jnp.float32)  # [B, K]
-    per_teacher_kl = (onehot.T @ -jnp.sum(distill, axis=1)) / jnp.maximum(onehot.T @ row_tokens, 1.0)
+    per_teacher_kl = (onehot.T @ -jnp.sum(distill * on_policy, axis=1)) / jnp.maximum(onehot.T @ jnp.sum(student_tokens, 1), 1.0)
     token_inputs = [rollout.logp_infer, rollout.logp_old, batch.logp_teacher]
     stats = {
         **batch_statistics(rollout.rewards, m, rollout.logp_old, rollout.logp_infer, token_inputs, correction),
-        "opd/reverse_kl": -jnp.sum(distill) / n,
+        "opd/reverse_kl": -jnp.sum(distill * on_policy) / n,
         **{f"opd/reverse_kl/teacher{k}": per_teacher_kl[k] for k in range(num_teachers)},
     }
+    if batch.off_policy is not None:  # the engine/trainer mismatch exists only on the student's own samples
+        stats.update(mismatch_metrics(rollout.logp_old, rollout.logp_infer, student_tokens, correction))
+        stats["opd/off_policy_rows"] = jnp.sum(batch.off_policy.astype(jnp.float32))
     return _OPDTargets(batch=batch, mask=m, weights=weights, advantages=advantages), stats
 
 

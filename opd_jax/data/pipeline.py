@@ -68,21 +68,24 @@ def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
 
 
 # validation draws its own stream of each built-in domain's training split
-_VALIDATION_SEED_OFFSET = 104_729
+# the fixed draws apart from the training stream, each from a stream of its own seed
+_DRAW_SEED_OFFSETS = {"validation": 104_729, "teacher_samples": 130_363}
 
 
-def validation_prompts(data: DataSection, per_domain: int) -> dict[str, list[Example]]:
+def validation_prompts(data: DataSection, per_domain: int, *, draw: str = "validation") -> dict[str, list[Example]]:
     """Prompts apart from the held-out set, per domain, for choosing a hyper-parameter (a merge
-    scale, say) without looking at the held-out prompts: for built-in domains `per_domain`
-    draws from a training stream of its own seed, for JSONL sources the file's first lines."""
+    scale, say) without looking at the held-out prompts, or for the teachers to answer (draw
+    "teacher_samples"): for built-in domains `per_domain` draws from a training stream of the
+    draw's own seed, for JSONL sources the file's first lines."""
+    offset = _DRAW_SEED_OFFSETS[draw]
     out: dict[str, list[Example]] = {}
     for spec in data.train:
         if spec.builtin is not None:
-            source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec) + _VALIDATION_SEED_OFFSET,
+            source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec) + offset,
                                       split="train", params=spec.params)
             examples = [source[j] for j in range(per_domain)]
         elif spec.environment is not None:
-            episodes = _episodes(spec, data.seed + _source_seed(spec) + _VALIDATION_SEED_OFFSET, "train")
+            episodes = _episodes(spec, data.seed + _source_seed(spec) + offset, "train")
             examples = [episodes[j] for j in range(per_domain)]
         else:
             examples = read_jsonl(spec.jsonl, spec.verifier)[:per_domain]

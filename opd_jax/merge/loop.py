@@ -28,13 +28,15 @@ from opd_jax.core import (
     running_divergence,
     score_student,
 )
+from opd_jax.envs import Trajectory
 from opd_jax.merge.plan import MergeError, MergePlan, resolve_plan
 from opd_jax.merge.report import write_report
 from opd_jax.merge.routing import teacher_indices
+from opd_jax.merge.teacher_samples import TeacherPool, draw_pool, pool_rows, pool_step, write_pool
 from opd_jax.merge.teachers import Teachers, build_teachers
-from opd_jax.models import save_model
+from opd_jax.models import Decoder, save_model
 from opd_jax.models.grow import grow
-from opd_jax.train import build_model, check_run_inputs, run
+from opd_jax.train import build_model, check_run_inputs, run, say, supervised_steps
 
 
 def name_teachers(metrics: dict[str, float], names: list[str], present: set[int]) -> dict[str, float]:
@@ -79,6 +81,8 @@ class OPDTask:
                                          temperature=self.temperature,
                                          divergences=tuple(config.divergence_by_teacher.get(n, opd.divergence) for n in names))
         self.running = np.full(len(names), np.nan, np.float32)  # each teacher's running divergence (balancing)
+        self.pool: TeacherPool | None = None
+        self.pool_step = False  # this step trains on the teachers' samples (GKD's mixture)
 
     def check_inputs(self) -> None:
         models = {"student": self.plan.student}
@@ -93,10 +97,32 @@ class OPDTask:
         if growth.num_layers or growth.intermediate_size:
             self.policy = grow(self.policy, num_layers=growth.num_layers, intermediate_size=growth.intermediate_size,
                                noise=growth.noise, seed=self.config.seed)
+        timed = {}
+        if self.config.teacher_samples.enabled:
+            began = time.perf_counter()
+            self.pool = draw_pool(self.config, self.plan, self.tokenizer, self.policy)
+            write_pool(self.pool, self.plan.teacher_names, self.tokenizer, run_dir / "teacher_samples.jsonl")
+            say("teachers' samples: " + ", ".join(f"{d} {self.pool.kept[d]}/{n}" for d, n in self.pool.drawn.items())
+                + " kept")
+            timed["teacher samples"] = time.perf_counter() - began
+            if self.config.teacher_samples.warmup.steps and not resuming:
+                began = time.perf_counter()
+                self.policy = self.warm_up(mesh, run_dir)
+                timed["warm-up"] = time.perf_counter() - began
         began = time.perf_counter()
         self.teachers = build_teachers(self.plan.teachers, self.config.teachers, self.policy, self.tokenizer, mesh,
                                        self.config.opd, self.temperature, run_dir / "sglang_logs")
-        return {"teachers": time.perf_counter() - began}
+        return {**timed, "teachers": time.perf_counter() - began}
+
+    def warm_up(self, mesh: jax.sharding.Mesh, run_dir: Path) -> Decoder:
+        """MOPD's supervised warm-up: cross-entropy on the teachers' pooled samples (all domains)."""
+        section, pad = self.config.teacher_samples.warmup, self.tokenizer.pad_token_id or 0
+        size = len(self.pool.trajectories)
+
+        def batches(step: int):
+            return self.pool.batch(pool_rows(size, section.batch_size, self.config.seed, step, warmup=True), pad)[0]
+        return supervised_steps(self.policy, batches, section, mesh, run_dir / "warmup_metrics.jsonl",
+                                progress_bar=self.config.logging.progress_bar, what="warm-up on the teachers' samples")
 
     def create_state(self) -> PolicyState:
         return PolicyState.create(self.policy, make_optimizer(self.config.optimizer))
@@ -104,11 +130,25 @@ class OPDTask:
     def policy_params(self, state: PolicyState):
         return state.params
 
+    def supplied_batch(self, step: int, vocab_size: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
+        """On GKD's pool steps (probability teacher_samples.fraction), a batch of the teachers' own
+        samples in place of the student's."""
+        section = self.config.teacher_samples
+        self.pool_step = pool_step(section.fraction, self.config.seed, step)
+        if not self.pool_step:
+            return None
+        rows = self.config.data.prompts_per_step * self.config.rollout.samples_per_prompt
+        batch, trajectories, _ = self.pool.batch(pool_rows(len(self.pool.trajectories), rows, self.config.seed, step),
+                                                 self.tokenizer.pad_token_id or 0)
+        return batch, trajectories, {}
+
     def extra_inputs(self, batch, rollouts) -> dict[str, Any]:
         index = teacher_indices([r.metadata["domain"] for r in rollouts], self.plan.routes)
         extra = {"teacher_index": index, **self.teachers.score(batch, index)}
         if self.config.balance.enabled:
             extra["row_weights"] = self.balance_weights()[index]
+        if self.config.teacher_samples.fraction > 0:  # every step has the field: one compiled step serves both kinds
+            extra["off_policy"] = np.full(len(index), float(self.pool_step), np.float32)
         return extra
 
     def balance_weights(self) -> np.ndarray:
@@ -122,8 +162,11 @@ class OPDTask:
         return {k: v for k, v in extra.items() if getattr(v, "ndim", 0) == 2}  # the teachers' per-token scores
 
     def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
-        present = set(np.asarray(extra["teacher_index"]).tolist())
+        # the sampled reverse KL exists only on the student's own samples: a pool step has none
+        present = set() if self.pool_step else set(np.asarray(extra["teacher_index"]).tolist())
         names = self.plan.teacher_names
+        if self.config.teacher_samples.fraction > 0:
+            metrics["opd/pool_step"] = float(self.pool_step)
         if self.config.balance.enabled:
             # the weights this step trained with (extra_inputs's), then this step's divergences folded in
             metrics.update({f"opd/balance_weight/{name}": float(w) for name, w in zip(names, self.balance_weights())})

@@ -1,5 +1,5 @@
-"""`opd-jax sweep`: every cell × seed of a sweep as its own `opd-jax train` process, several at a
-time, each in its own run directory (<out>/<cell>/seed<k>), then the aggregate.
+"""`opd-jax sweep`: every cell × seed of a sweep as its own `opd-jax train` (or `opd-jax merge`)
+process, several at a time, each in its own run directory (<out>/<cell>/seed<k>), then the aggregate.
 
 Resumable: a run whose run.json says finished is kept as it is; one with checkpoints continues
 from the last (`--resume`); anything else starts over. With `warm_start: shared` each distinct
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from opd_jax.config import ConfigError, TrainConfig, load_config, to_plain
+from opd_jax.config import ConfigError, MergeConfig, TrainConfig, load_config, to_plain
 from opd_jax.config.sweep import SweepConfig
 from opd_jax.errors import OpdJaxError
 from opd_jax.sweep import stats
@@ -55,15 +55,19 @@ class Sweep:
         for name, overrides in self.cells:  # every cell must resolve before anything runs
             for seed in self.config.seed_list:
                 try:
-                    config = load_config(self.base, self.overrides(overrides, seed))
+                    config = load_config(self.base, self.overrides(overrides, seed), schema=self.schema)
                 except ConfigError as e:
                     raise SweepError(f"cell {name}: {e}") from None
                 self.steps[name, seed] = config.steps
                 if self.config.warm_start == "shared" and config.sft.steps > 0:
                     self.warm_starts[name, seed] = self.out / "_warm_start" / _warm_start_key(config)
 
+    @property
+    def schema(self) -> type[TrainConfig] | type[MergeConfig]:
+        return TrainConfig if self.config.command == "train" else MergeConfig
+
     def overrides(self, cell: dict[str, Any], seed: int) -> list[str]:
-        return [*_dotted(self.config.overrides), *_dotted(cell), *(f"{k}={seed}" for k in self.config.seed_keys)]
+        return [*_dotted(self.config.overrides), *_dotted(cell), *(f"{k}={seed}" for k in self.config.seed_key_list)]
 
     def warm_start_commands(self, runs: list[tuple[str, int]]) -> dict[Path, list[str]]:
         """The `opd-jax sft` command of every shared warm start these (cell, seed) runs need that is
@@ -92,7 +96,7 @@ class Sweep:
         return _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= self.steps[cell, seed]
 
     def command(self, cell: str, overrides: dict[str, Any], seed: int) -> list[str] | None:
-        """The train command of one run (None: it finished already). A run that finished fewer steps
+        """The train (or merge) command of one run (None: it finished already). A run that finished fewer steps
         than the sweep now asks for (its `steps` raised) is resumed to train the rest."""
         run_dir = self.run_dir(cell, seed)
         if self.finished(cell, seed):
@@ -100,7 +104,8 @@ class Sweep:
         resume = any((run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").is_dir() else False
         warm = self.warm_starts.get((cell, seed))
         start = [] if warm is None else ["model.fresh=null", f"model.path={warm / 'sft_policy'}", "sft.steps=0"]
-        return [sys.executable, "-m", "opd_jax.cli", "train", str(self.base), *self.overrides(overrides, seed), *start,
+        return [sys.executable, "-m", "opd_jax.cli", self.config.command, str(self.base), *self.overrides(overrides, seed),
+                *start,
                 f"logging.run_dir={run_dir}", "logging.progress_bar=false", *(["--resume"] if resume else [])]
 
 

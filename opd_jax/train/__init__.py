@@ -4,6 +4,7 @@ the supervised warm start, checkpoints, metrics, evaluation and the rollout engi
 This is train's public API: the shells above it (`opd_jax.merge`, sweeps, recipes) import from
 here and nowhere deeper."""
 
+from opd_jax.train.batching import rollout_rewards, trajectories_to_batch
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import say
@@ -15,8 +16,9 @@ from opd_jax.train.metrics import read_metrics
 from opd_jax.train.preflight import check_run_inputs
 from opd_jax.train.run_dir import checkpoint_steps, lock, run_status
 from opd_jax.train.runner import Task, run
-from opd_jax.train.sft import warm_start
+from opd_jax.train.sft import supervised_steps, warm_start
 
 __all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
            "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report", "read_metrics", "run",
-           "run_status", "say", "sglang_engine", "train", "warm_start"]
+           "rollout_rewards", "run_status", "say", "sglang_engine", "supervised_steps", "train",
+           "trajectories_to_batch", "warm_start"]

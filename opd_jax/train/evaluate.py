@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from opd_jax.train.batching import rollout_rewards
 from opd_jax.train.build import EngineNumerics, encode_prompt, engine_model, stop_ids
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
-from rollout_bridge.records import Failure, Request, SamplingParams
+from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
 
 
 def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Sequence[Example]],
@@ -62,8 +63,8 @@ class HeldOutEvaluator:
         self._engines: dict[Any, EngineThread] = {}
         self._version = 0
 
-    def __call__(self, model: Decoder, domains: Iterable[str] | None = None) -> dict[str, float]:
-        """{domain: accuracy} over `domains` (default: all of the held-out set)."""
+    def _serve(self, model: Decoder) -> EngineThread:
+        """The engine of the model's architecture, serving its weights from now on."""
         served = engine_model(model.config, nnx.state(model, nnx.Param), self.numerics)
         graphdef = nnx.graphdef(served)
         self._version += 1
@@ -73,11 +74,24 @@ class HeldOutEvaluator:
             self._engines[graphdef] = EngineThread(EmbeddedEngine(sampler))
         else:
             self._engines[graphdef].update_weights(WeightUpdate(self._version, model=lambda: served))
+        return self._engines[graphdef]
+
+    def __call__(self, model: Decoder, domains: Iterable[str] | None = None) -> dict[str, float]:
+        """{domain: accuracy} over `domains` (default: all of the held-out set)."""
+        engine = self._serve(model)
         wanted = sorted(self.held_out) if domains is None else sorted(domains)
-        accuracy = evaluate(self._engines[graphdef], self.tokenizer, {d: self.held_out[d] for d in wanted},
+        accuracy = evaluate(engine, self.tokenizer, {d: self.held_out[d] for d in wanted},
                             self.encode, max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
                             reward_fn=self.reward_fn)
         return {d: accuracy[f"eval/{d}/accuracy"] for d in wanted}
+
+    def sample(self, model: Decoder, domain: str, sampling: SamplingParams, seed: int) -> list[Rollout | Failure]:
+        """One sample of `model` per prompt of `domain` (sampling's temperature and length; the
+        stop tokens are the evaluator's), prompt i seeded with seed + i."""
+        sampling = dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
+        requests = [Request(self.encode(e), sampling, {"domain": domain, "example": e}, seed=seed + i)
+                    for i, e in enumerate(self.held_out[domain])]
+        return self._serve(model).generate(requests)
 
     def close(self) -> None:
         for engine in self._engines.values():

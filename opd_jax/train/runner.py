@@ -4,7 +4,8 @@
     run dir, distributed init, checkpoints (refuse to overwrite; resume)      runner
     task.setup(): models, teachers, ...; the state it trains                   task
     state restored, sharded on the mesh; the rollout session                   runner
-    per step:  batch → task.extra_inputs → score → step → non-finite check
+    per step:  batch (the session's, or task.supplied_batch) → task.extra_inputs
+               → score → step → non-finite check
                → refit → eval → log → checkpoint                               runner (task: the
                                                                                scoring/step fns)
     export, curves, the task's own report                                      task.finish
@@ -79,6 +80,10 @@ class Task(Protocol):
         """The train state as a new run starts it (a resumed run restores over it)."""
 
     def policy_params(self, state: Any) -> nnx.State: ...
+
+    def supplied_batch(self, step: int, vocab_size: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
+        """A batch the task gives step `step` (0-based) in place of the policy's own rollouts (the
+        merge's teacher samples), as (batch, trajectories, metrics); None: the rollout session's."""
 
     def extra_inputs(self, batch: Any, rollouts: list[Trajectory]) -> dict[str, Any]:
         """Per-row arrays the step needs besides the scored batch (teacher scores, ...), on the host."""
@@ -261,7 +266,8 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
             log.log(0, session.evaluate(0), advance=False)
     for step in range(start, config.steps):
         began = time.perf_counter()
-        batch, rollouts, metrics = session.next_batch(step, vocab)
+        supplied = task.supplied_batch(step, vocab)
+        batch, rollouts, metrics = supplied if supplied is not None else session.next_batch(step, vocab)
         batch = packed_for(batch, task.update, batch_shards(mesh))
         extra = task.extra_inputs(batch, rollouts)
         compiling = step_fn is None

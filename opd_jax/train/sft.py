@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from jax.sharding import Mesh
 
-from opd_jax.config import EpisodeSection, TrainConfig
+from opd_jax.config import EpisodeSection, SFTSection, TrainConfig
 from opd_jax.core import RolloutBatch, UpdateConfig, make_optimizer
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
@@ -60,25 +62,36 @@ def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: D
 
 def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_path: Path, *,
                restart_hint: str = "run the same command again") -> Decoder:
-    """`config.sft.steps` supervised updates of `policy`; the loss per step goes to log_path. A
-    SIGINT/SIGTERM (within `signals.stop_at_step_boundary`) stops it at a step boundary with
-    `Interrupted`: nothing of it is kept, so `restart_hint` says how to start over."""
+    """`config.sft.steps` supervised updates of `policy` on the training domains' reference
+    answers; the loss per step goes to log_path. A SIGINT/SIGTERM (within
+    `signals.stop_at_step_boundary`) stops it at a step boundary with `Interrupted`: nothing of it
+    is kept, so `restart_hint` says how to start over."""
     data = config.data.model_copy(update={"seed": config.data.seed + _SFT_SEED_OFFSET})
     prompts = iter(train_prompts(data))
-    state = PolicyState.create(policy, make_optimizer(config.sft.optimizer))
-    mesh = make_mesh(config.mesh)
+
+    def demonstrations(step: int) -> RolloutBatch:
+        return demonstration_batch(take(prompts, config.sft.batch_size), tokenizer, policy, config.data.chat_template,
+                                   config.rollout.episodes, config.rollout.max_new_tokens)
+    return supervised_steps(policy, demonstrations, config.sft, make_mesh(config.mesh), log_path,
+                            progress_bar=config.logging.progress_bar, restart_hint=restart_hint)
+
+
+def supervised_steps(policy: Decoder, batches: Callable[[int], RolloutBatch], sft: SFTSection, mesh: Mesh,
+                     log_path: Path, *, progress_bar: bool = True, what: str = "warm start",
+                     restart_hint: str = "run the same command again") -> Decoder:
+    """`sft.steps` cross-entropy updates of `policy` on the response tokens of batches(0),
+    batches(1), ... (sharded over `mesh`, packed as sft.pack says); the loss per step goes to
+    log_path. A SIGINT/SIGTERM stops it at a step boundary with `Interrupted` (nothing kept)."""
+    state = PolicyState.create(policy, make_optimizer(sft.optimizer))
     state = shard(state, tree_shardings(state, mesh))
     step = None
-    bar = progress(config.sft.steps, "warm start", enabled=config.logging.progress_bar)
+    bar = progress(sft.steps, what, enabled=progress_bar)
     with log_path.open("w") as log, bar:
-        for i in range(config.sft.steps):
-            batch = demonstration_batch(take(prompts, config.sft.batch_size), tokenizer, policy,
-                                        config.data.chat_template, config.rollout.episodes,
-                                        config.rollout.max_new_tokens)
-            batch = packed_for(batch, UpdateConfig(pack=config.sft.pack), batch_shards(mesh))
+        for i in range(sft.steps):
+            batch = packed_for(batches(i), UpdateConfig(pack=sft.pack), batch_shards(mesh))
             if step is None:
                 bar.set_postfix_str("compiling the step")
-                step = sharded_step(functools.partial(sft_step, router_balance_coef=config.sft.router_balance_coef),
+                step = sharded_step(functools.partial(sft_step, router_balance_coef=sft.router_balance_coef),
                                     state, batch, mesh)
             state, metrics = step(state, shard(batch, batch_shardings(batch, mesh)))
             row = {"step": i + 1, **{k: float(v) for k, v in metrics.items()}}
@@ -87,10 +100,9 @@ def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_p
             bar.update(1)
             if i == 0:
                 restart_clock(bar)
-            if signals.requested() and i + 1 < config.sft.steps:
-                raise Interrupted(f"{signals.requested()} during the warm start (SFT step {i + 1} of "
-                                  f"{config.sft.steps}): no checkpoint yet; to start over, {restart_hint}",
-                                  signals.exit_status())
+            if signals.requested() and i + 1 < sft.steps:
+                raise Interrupted(f"{signals.requested()} during the {what} (SFT step {i + 1} of {sft.steps}): no "
+                                  f"checkpoint yet; to start over, {restart_hint}", signals.exit_status())
     return state.model()
 
 
