@@ -151,7 +151,10 @@ def test_killed_and_resumed_merge_matches_an_uninterrupted_one(models, tmp_path)
     assert len({round(w, 6) for w in weights[2].values()}) > 1 and np.isclose(np.mean(list(weights[2].values())), 1.0)
     for x, y in zip(student_params(straight), student_params(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert "weight_average" not in json.loads((resumed / "report.json").read_text())["domains"]["max"]
+    report = json.loads((resumed / "report.json").read_text())
+    assert "weight_average" not in report["domains"]["max"]
+    assert (report["divergence"], report["balance"], report["grow"]["num_layers"], report["teacher_samples"]) == \
+        ("jsd", True, 3, {"fraction": 0.5, "warmup_steps": 2})
     student, _ = load_model(resumed / "student")
     assert (student.config.num_layers, student.config.intermediate_size) == (3, 80)
 

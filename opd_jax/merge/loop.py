@@ -5,7 +5,9 @@ Per step: prompts from the mix of the experts' domains, G samples each from the 
 the rollout engine, verifier rewards, the student's θ_old log-probs, each row scored by its
 domain's teacher, the sharded OPD step, the new weights pushed to the engine. Held-out accuracy
 every `eval_every` steps, checkpoints every `checkpoint.every` (exact resume), then the student
-exported and the report (base, experts, student, weight-space baselines) written.
+exported and the report (base, experts, student, weight-space baselines) written. With
+`teacher_samples`, the teachers' own samples first (a pool, `teacher_samples.py`): a supervised
+warm-up on them, and GKD's mixture (a share of the steps trains on the pool instead).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ prompts, greedy, same engine precision and verifiers), plus the wall time of eve
 
 report.json: {"domains": {name: {"base", "expert", "student", "weight_average", "task_arithmetic"}},
               "mean": {column: mean over domains}, "student_over_expert": {name: ratio},
-              "task_arithmetic_scale": λ, "wall_time_s": {phase: seconds}, ...}
+              "task_arithmetic_scale": λ, "wall_time_s": {phase: seconds}, the merge's settings
+              (loss, divergence, balance, grow, teacher_samples, student_parameters), ...}
 report.md: the same as a table.
 """
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -104,6 +106,13 @@ def build_report(config: MergeConfig, plan: MergePlan, student: Decoder, tokeniz
         **notes,
         "teachers": {t.name: {"model": str(t.path), "domains": list(t.domains)} for t in plan.teachers},
         "steps": config.steps, "loss": config.opd.loss, "reward_alpha": config.opd.reward_alpha,
+        "divergence": config.opd.divergence if config.opd.loss != "sampled" else "reverse_kl (sampled)",
+        "balance": config.balance.enabled,
+        "grow": config.grow.model_dump() if config.grow.num_layers or config.grow.intermediate_size else None,
+        "teacher_samples": ({"fraction": config.teacher_samples.fraction,
+                             "warmup_steps": config.teacher_samples.warmup.steps}
+                            if config.teacher_samples.enabled else None),
+        "student_parameters": int(sum(x.size for x in jax.tree.leaves(nnx.state(student, nnx.Param)))),
         "wall_time_s": wall,
     }
 

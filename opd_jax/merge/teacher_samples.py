@@ -23,7 +23,7 @@ from opd_jax.envs import Trajectory
 from opd_jax.merge.plan import MergePlan
 from opd_jax.merge.teachers import TeacherError, load_teacher
 from opd_jax.models import Decoder, Tokenizer
-from opd_jax.train import held_out_evaluator, rollout_rewards, trajectories_to_batch
+from opd_jax.train import held_out_evaluator, rollout_rewards, stop_if_requested, trajectories_to_batch
 from rollout_bridge.records import Failure, SamplingParams
 
 _MIX_STREAM, _ROWS_STREAM, _WARMUP_STREAM = 1, 2, 3  # independent random streams of the pool's draws
@@ -62,6 +62,7 @@ def draw_pool(config: MergeConfig, plan: MergePlan, tokenizer: Tokenizer, studen
         for k, spec in enumerate(plan.teachers):
             model, _ = load_teacher(spec.name, spec.path, config.teachers.dtype)
             for j, domain in enumerate(d for d in spec.domains if d in prompts):
+                stop_if_requested(f"the teachers' samples ({spec.name}, {domain})")
                 examples = prompts[domain]
                 seed = int(np.random.SeedSequence([config.seed, k, j]).generate_state(1)[0] % 2**30)
                 completions = sampler.sample(model, domain, sampling, seed)

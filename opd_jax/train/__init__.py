@@ -17,8 +17,9 @@ from opd_jax.train.preflight import check_run_inputs
 from opd_jax.train.run_dir import checkpoint_steps, lock, run_status
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import supervised_steps, warm_start
+from opd_jax.train.signals import stop_if_requested
 
 __all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
            "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report", "read_metrics", "run",
-           "rollout_rewards", "run_status", "say", "sglang_engine", "supervised_steps", "train",
+           "rollout_rewards", "run_status", "say", "sglang_engine", "stop_if_requested", "supervised_steps", "train",
            "trajectories_to_batch", "warm_start"]

@@ -100,9 +100,8 @@ def supervised_steps(policy: Decoder, batches: Callable[[int], RolloutBatch], sf
             bar.update(1)
             if i == 0:
                 restart_clock(bar)
-            if signals.requested() and i + 1 < sft.steps:
-                raise Interrupted(f"{signals.requested()} during the {what} (SFT step {i + 1} of {sft.steps}): no "
-                                  f"checkpoint yet; to start over, {restart_hint}", signals.exit_status())
+            if i + 1 < sft.steps:
+                signals.stop_if_requested(f"the {what} (SFT step {i + 1} of {sft.steps})", restart_hint)
     return state.model()
 
 

@@ -22,6 +22,15 @@ def exit_status() -> int:
     return 128 + (_requested[0] if _requested else signal.SIGINT)
 
 
+def stop_if_requested(during: str, restart_hint: str = "run the same command again") -> None:
+    """Between two steps of a phase that keeps nothing until it ends (a warm start, the merge's
+    teacher samples): raise `Interrupted` if a stop was requested, saying where and how to restart."""
+    if _requested:
+        from opd_jax.train.errors import Interrupted
+        raise Interrupted(f"{requested()} during {during}: no checkpoint yet; to start over, {restart_hint}",
+                          exit_status())
+
+
 def _handle(signum: int, frame) -> None:
     if _requested and signum == signal.SIGINT:
         raise KeyboardInterrupt
