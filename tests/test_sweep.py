@@ -264,6 +264,12 @@ def test_a_merge_sweep_runs_opd_jax_merge_with_the_merge_seed_keys(tmp_path):
     assert command[2:5] == ["opd_jax.cli", "merge", str(base)]
     assert "optimizer.learning_rate=0.001" in command and "seed=1" in command and "data.seed=1" in command
     assert not any(c.startswith("model.fresh.seed") for c in command)
+    # a run killed before its first checkpoint (orbax left only its log) starts over, not --resume
+    (sweep.run_dir(*sweep.cells[1][:1], 1) / "checkpoints").mkdir(parents=True)
+    (sweep.run_dir(*sweep.cells[1][:1], 1) / "checkpoints" / "orbax.log").touch()
+    assert "--resume" not in sweep.command(*sweep.cells[1], 1)
+    (sweep.run_dir(*sweep.cells[1][:1], 1) / "checkpoints" / "150").mkdir()
+    assert sweep.command(*sweep.cells[1], 1)[-1] == "--resume"
     path.write_text(yaml.safe_dump({"command": "merge", "base": "merge.yaml", "seeds": 2,
                                     "grid": {"optimizer.learning_rat": [1e-3]}}))
     with pytest.raises(SweepError, match="(?s)cell learning_rat=0.001: .*did you mean optimizer.learning_rate"):

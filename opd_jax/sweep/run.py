@@ -101,7 +101,7 @@ class Sweep:
         run_dir = self.run_dir(cell, seed)
         if self.finished(cell, seed):
             return None
-        resume = any((run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").is_dir() else False
+        resume = _has_checkpoint(run_dir)
         warm = self.warm_starts.get((cell, seed))
         start = [] if warm is None else ["model.fresh=null", f"model.path={warm / 'sft_policy'}", "sft.steps=0"]
         return [sys.executable, "-m", "opd_jax.cli", self.config.command, str(self.base), *self.overrides(overrides, seed),
@@ -171,6 +171,14 @@ def _execute(command: list[str], run_dir: Path, cache: Path) -> int:
     env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **os.environ}
     with log.open("a") as out:
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run saved a completed checkpoint (orbax names each by its step; its log or a
+    half-written one, under a temporary name, do not count). Read from the directory: the sweep
+    drives training only through its command."""
+    directory = run_dir / "checkpoints"
+    return directory.is_dir() and any(p.is_dir() and p.name.isdigit() for p in directory.iterdir())
 
 
 def _trained_steps(run_dir: Path) -> int:
