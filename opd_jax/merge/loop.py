@@ -132,7 +132,7 @@ class OPDTask:
     def policy_params(self, state: PolicyState):
         return state.params
 
-    def supplied_batch(self, step: int, vocab_size: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
+    def supplied_batch(self, step: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
         """On GKD's pool steps (probability teacher_samples.fraction), a batch of the teachers' own
         samples in place of the student's."""
         section = self.config.teacher_samples

@@ -31,7 +31,7 @@ _MIX_STREAM, _ROWS_STREAM, _WARMUP_STREAM = 1, 2, 3  # independent random stream
 
 @dataclasses.dataclass(frozen=True)
 class TeacherPool:
-    """The kept samples as trajectories (metadata: domain, teacher), each one's teacher index, and
+    """The kept samples as trajectories (metadata: domain, example), each one's teacher index, and
     per domain how many were drawn and kept."""
 
     trajectories: tuple[Trajectory, ...]

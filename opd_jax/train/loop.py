@@ -75,7 +75,7 @@ class PPOTask:
     def policy_params(self, state: PPOState):
         return state.policy
 
-    def supplied_batch(self, step: int, vocab_size: int) -> None:
+    def supplied_batch(self, step: int) -> None:
         return None  # PPO trains on its own rollouts only
 
     def extra_inputs(self, batch, rollouts) -> dict[str, Any]:

@@ -81,7 +81,7 @@ class Task(Protocol):
 
     def policy_params(self, state: Any) -> nnx.State: ...
 
-    def supplied_batch(self, step: int, vocab_size: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
+    def supplied_batch(self, step: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
         """A batch the task gives step `step` (0-based) in place of the policy's own rollouts (the
         merge's teacher samples), as (batch, trajectories, metrics); None: the rollout session's."""
 
@@ -266,7 +266,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
             log.log(0, session.evaluate(0), advance=False)
     for step in range(start, config.steps):
         began = time.perf_counter()
-        supplied = task.supplied_batch(step, vocab)
+        supplied = task.supplied_batch(step)
         batch, rollouts, metrics = supplied if supplied is not None else session.next_batch(step, vocab)
         batch = packed_for(batch, task.update, batch_shards(mesh))
         extra = task.extra_inputs(batch, rollouts)

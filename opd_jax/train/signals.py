@@ -9,6 +9,8 @@ import signal
 import threading
 from collections.abc import Iterator
 
+from opd_jax.train.errors import Interrupted
+
 _requested: list[int] = []
 
 
@@ -26,7 +28,6 @@ def stop_if_requested(during: str, restart_hint: str = "run the same command aga
     """Between two steps of a phase that keeps nothing until it ends (a warm start, the merge's
     teacher samples): raise `Interrupted` if a stop was requested, saying where and how to restart."""
     if _requested:
-        from opd_jax.train.errors import Interrupted
         raise Interrupted(f"{requested()} during {during}: no checkpoint yet; to start over, {restart_hint}",
                           exit_status())
 
