@@ -19,6 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GLM-5.2-style RL post-training in JAX: PPO + IcePop, SGLang rollouts, OPD merging.")
 config_app = typer.Typer(no_args_is_help=True, help="Show a resolved config, or what a config key does.")
 app.add_typer(config_app, name="config")
+k8s_app = typer.Typer(no_args_is_help=True, help="Run on a Kubernetes cluster: JobSet + Kueue manifests for a config, "
+                                                 "and the entrypoint of their pods.")
+app.add_typer(k8s_app, name="k8s")
 
 USER_ERROR = 2  # the exit status of a problem the user can fix (click's own usage errors use it too)
 _debug = False
@@ -293,6 +296,99 @@ def config_explain(
     """What a config key does, its type and its default (a section: each of its keys)."""
     from opd_jax.config import explain
     typer.echo(explain(_schema(kind), key))
+
+
+def _k8s_config(config_file: Path, overrides: Optional[list[str]], kind: str) -> Any:
+    """The config of `kind` (auto: from the file's top-level keys)."""
+    import yaml
+
+    from opd_jax.config import ConfigError
+    from opd_jax.k8s import KINDS, detect_kind
+    if kind == "auto":
+        try:
+            data = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+        except (OSError, yaml.YAMLError):
+            data = {}  # load_config names the problem
+        kind = detect_kind(data if isinstance(data, dict) else {})
+    if kind not in KINDS:
+        raise ConfigError(f"--kind {kind!r}: use one of auto, {', '.join(KINDS)}")
+    return _load(config_file, list(overrides or []), KINDS[kind])
+
+
+K8sKind = Annotated[str, typer.Option("--kind", help="Which command's config: auto (from its keys), train, merge, experts.")]
+
+
+@_command(k8s_app, name="render")
+def k8s_render(
+    config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="A train, merge or experts config.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+    image: Annotated[Optional[str], typer.Option(help="The opd_jax image the pods run (required).")] = None,
+    queue: Annotated[Optional[str], typer.Option(help="The Kueue LocalQueue to submit to (required).")] = None,
+    kind: K8sKind = "auto",
+    name: Annotated[Optional[str], typer.Option(help="Prefix of the objects' names (default: the run directory's).")] = None,
+    namespace: Annotated[str, typer.Option()] = "default",
+    priority: Annotated[Optional[str], typer.Option(help="Kueue WorkloadPriorityClass.")] = None,
+    hosts: Annotated[int, typer.Option(help="Pods (processes) of the training job, and of each expert.")] = 1,
+    accelerators: Annotated[int, typer.Option(help="Accelerators per pod (0: CPU only).")] = 0,
+    accelerator_resource: Annotated[str, typer.Option(help="nvidia.com/gpu, google.com/tpu, ...")] = "nvidia.com/gpu",
+    node_selector: Annotated[list[str], typer.Option(help="key=value (repeatable).")] = [],  # noqa: B006
+    toleration: Annotated[list[str], typer.Option(help="key[=value][:Effect] (repeatable).")] = [],  # noqa: B006
+    cpu: Annotated[Optional[str], typer.Option(help="CPU request per pod, e.g. 8.")] = None,
+    memory: Annotated[Optional[str], typer.Option(help="Memory per pod, e.g. 64Gi.")] = None,
+    volume_claim: Annotated[str, typer.Option(help="ReadWriteMany PVC holding the run directories.")] = "opd-jax-runs",
+    mount_path: Annotated[str, typer.Option(help="Where the volume is mounted: every pod's working directory.")] = "/workspace",
+    max_restarts: Annotated[int, typer.Option(help="JobSet restarts after a failure (each resumes).")] = 3,
+    server_image: Annotated[Optional[str], typer.Option(help="The SGLang servers' image (SGLang engine or teachers).")] = None,
+    server_hosts: Annotated[int, typer.Option(help="Pods per SGLang server (LeaderWorkerSet size).")] = 1,
+    server_accelerators: Annotated[Optional[int], typer.Option(help="Per server pod (default: --accelerators).")] = None,
+    router: Annotated[bool, typer.Option(help="An sglang-router in front of the rollout servers.")] = True,
+    router_image: Annotated[Optional[str], typer.Option(help="The router's image (default: --server-image).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write the manifests here (default: stdout).")] = None,
+    check: Annotated[bool, typer.Option(help="Validate every manifest against its kind's schema.")] = False,
+) -> None:
+    """Kubernetes manifests (JobSet + Kueue, LeaderWorkerSet for SGLang servers, the config as a
+    ConfigMap) for the run CONFIG describes, as one YAML stream for `kubectl apply -f`."""
+    from opd_jax.k8s import ClusterSpec, K8sError, Toleration, dump_manifests, parse_pairs, render, validate_manifests
+    from opd_jax.k8s.spec import to_label
+
+    if not image:
+        raise K8sError("--image is required: the opd_jax image the pods run")
+    if not queue:
+        raise K8sError("--queue is required: the Kueue LocalQueue the workloads are submitted to")
+    config = _k8s_config(config_file, overrides, kind)
+    run_dir = config.run_dir if hasattr(config, "run_dir") else config.logging.run_dir
+    spec = ClusterSpec(image=image, queue=queue, name=name or to_label(Path(run_dir).name) or "opd-jax",
+                       namespace=namespace, priority_class=priority, hosts=hosts, accelerators=accelerators,
+                       accelerator_resource=accelerator_resource, node_selector=parse_pairs(node_selector, "--node-selector"),
+                       tolerations=tuple(Toleration.parse(t) for t in toleration), cpu=cpu, memory=memory,
+                       volume_claim=volume_claim, mount_path=mount_path, max_restarts=max_restarts,
+                       server_image=server_image, server_hosts=server_hosts, server_accelerators=server_accelerators,
+                       router=router, router_image=router_image)
+    manifests = render(config, spec)
+    if check:
+        problems = validate_manifests(manifests)
+        if problems:
+            raise K8sError("a rendered manifest does not validate: " + "; ".join(problems))
+        typer.echo(f"{len(manifests)} manifests valid: "
+                   f"{', '.join(m['kind'] + '/' + m['metadata']['name'] for m in manifests)}", err=True)
+    text = dump_manifests(manifests)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+        typer.echo(f"manifests written to {out}", err=True)
+
+
+@_command(k8s_app, name="run")
+def k8s_run(
+    config_file: Annotated[Path, typer.Argument(metavar="CONFIG", help="The config the ConfigMap holds.")],
+    kind: K8sKind = "auto",
+    only: Annotated[Optional[str], typer.Option(help="experts: run only 'base' or this expert.")] = None,
+) -> None:
+    """A rendered pod's entrypoint: run the config's command, continuing from the last checkpoint
+    when there is one (a JobSet restart), starting jax.distributed from the JobSet's environment."""
+    from opd_jax.k8s import run_in_pod
+    typer.echo(run_in_pod(_k8s_config(config_file, None, kind), only=only))
 
 
 @app.callback()

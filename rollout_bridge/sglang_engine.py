@@ -60,7 +60,7 @@ class SGLangEngine:
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_concurrency: int = 256,
                  refit: RefitMode = "auto", refit_dir: str | Path = "refit",
                  interrupted: Literal["resume", "discard"] = "resume", weight_version: int = 0,
-                 routing: api.RoutingLayout | None = None, stream_interval: int = 1):
+                 routing: api.RoutingLayout | None = None, stream_interval: int = 1, wait_for_servers_s: float = 0.0):
         self.urls = list(urls) or (servers.urls if servers else [])
         if not self.urls:
             raise EngineError("SGLangEngine needs server URLs or a ServerGroup to launch")
@@ -70,6 +70,7 @@ class SGLangEngine:
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.refit, self.refit_dir, self.interrupted = refit, Path(refit_dir), interrupted
         self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        self.wait_for_servers_s = wait_for_servers_s
         self._max_concurrency = max_concurrency
         self._client: httpx.AsyncClient | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -332,8 +333,13 @@ class SGLangEngine:
         if self.servers is not None:
             await self.servers.start()
             self._launched = True  # whoever starts the servers stops them (close)
-        if not await self.health():
-            raise EngineError(f"no server answered its health check at {', '.join(self.urls)}")
+        # servers someone else starts (a cluster's, beside the trainer) may still be booting
+        deadline = time.monotonic() + self.wait_for_servers_s
+        while not await self.health():
+            if time.monotonic() >= deadline:
+                waited = f" within {self.wait_for_servers_s:g} s" if self.wait_for_servers_s else ""
+                raise EngineError(f"no server answered its health check at {', '.join(self.urls)}{waited}")
+            await asyncio.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
 
     def metrics(self) -> dict[str, float]:
         out = {"retries": float(self.stats.retries), "interrupted": float(self.stats.interrupted),

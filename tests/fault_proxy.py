@@ -18,9 +18,9 @@ FAULTS = ("ok", "delay", "reset", "500", "503", "cut", "garbage")
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, schedule: list[str]):
+    def __init__(self, upstream: str, schedule: list[str], port: int = 0):
         assert all(f in FAULTS for f in schedule), schedule
-        self.upstream, self.schedule = upstream, schedule
+        self.upstream, self.schedule, self.port = upstream, schedule, port
         self.calls: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -33,7 +33,7 @@ class FaultProxy:
         app.router.add_route("*", "/{path:.*}", self._handle)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"

@@ -1,7 +1,10 @@
 """One of two processes of a jax.distributed job on loopback (4 CPU devices each) that runs the
 sharded PPO step on a (2, 2, 2) mesh over all 8 devices. Process 0 writes the result.
 
-usage: python multihost_worker.py PORT PROCESS_ID OUT.npz
+usage: python multihost_worker.py PORT PROCESS_ID OUT.npz [jobset]
+
+With `jobset`, the process finds its place as a JobSet pod does (`distributed: auto`): from the
+environment its parent gives it (JOBSET_NAME, JOB_COMPLETION_INDEX, ...), not from arguments.
 """
 
 import os
@@ -33,9 +36,13 @@ from opd_jax.parallel import (  # noqa: E402
 )
 
 
-def main(port: str, process_id: str, out: str) -> None:
-    assert initialize_distributed(DistributedConfig(enabled=True, coordinator_address=f"127.0.0.1:{port}",
-                                                    num_processes=2, process_id=int(process_id)))
+def main(port: str, process_id: str, out: str, mode: str = "explicit") -> None:
+    if mode == "jobset":
+        assert os.environ["JOB_COMPLETION_INDEX"] == process_id
+        assert initialize_distributed(DistributedConfig(enabled="auto"))
+    else:
+        assert initialize_distributed(DistributedConfig(enabled=True, coordinator_address=f"127.0.0.1:{port}",
+                                                        num_processes=2, process_id=int(process_id)))
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     sys.path.insert(0, os.path.dirname(__file__))
     from ppo_setup import STEP_CONFIG, make_state, scored_batch, step_optimizer

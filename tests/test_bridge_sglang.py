@@ -13,7 +13,9 @@ from fault_proxy import FaultProxy
 from sglang_setup import collect, running_servers, save_tiny, tiny_model, trainer_logprobs, wait_for_tokens
 
 from rollout_bridge.pipe import EngineThread
+from rollout_bridge.protocol import EngineError
 from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
+from rollout_bridge.servers import free_port
 from rollout_bridge.sglang_engine import SGLangEngine
 
 PROMPTS = [tuple(range(3 + i % 5, 9 + i % 7)) for i in range(16)]
@@ -152,6 +154,33 @@ def test_a_server_that_always_fails_gives_one_failure_per_prompt(server):
     assert [c.request_id for c in completions] == [r.request_id for r in requests]
     assert all(isinstance(c, Failure) and "503" in c.error and c.attempts == 3 for c in completions)
     assert len(proxy.calls) == 3 * len(requests)
+
+
+def test_servers_that_boot_after_the_trainer_are_waited_for(server):
+    # a cluster's servers start beside the trainer: nothing answers at the URL yet, then it does
+    port = free_port()
+    thread = EngineThread(SGLangEngine([f"http://127.0.0.1:{port}"], wait_for_servers_s=120))
+    proxy = None
+    try:
+        started = thread.start()
+        time.sleep(2.0)
+        assert not started.done()
+        proxy = FaultProxy(server, ["ok"], port=port)
+        started.result(timeout=60)
+        (rollout,) = thread.generate([Request(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=1.0))])
+        assert_matches_trainer(rollout, 1.0)
+    finally:
+        thread.close()
+        if proxy is not None:
+            proxy.close()
+    impatient = EngineThread(SGLangEngine([f"http://127.0.0.1:{free_port()}"], wait_for_servers_s=1.0))
+    try:
+        began = time.monotonic()
+        with pytest.raises(EngineError, match="no server answered its health check at .* within 1 s"):
+            impatient.start().result(timeout=60)
+        assert time.monotonic() - began >= 1.0
+    finally:
+        impatient.close()
 
 
 def test_a_bad_request_fails_at_once_with_the_servers_message(engine):

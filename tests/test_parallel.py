@@ -1,14 +1,14 @@
 """Sharding on 8 simulated CPU devices: the mesh from a config, parameters and optimizer state
 really split by the logical-axis rules, and the sharded step equal to the unsharded one, in one
-process and in two processes on loopback."""
+process and in two processes on loopback (started explicitly, or from a JobSet pod's environment)."""
 
 import functools
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,16 +20,22 @@ from opd_jax.core import ppo_step
 from opd_jax.core.packing import pack_batch
 from opd_jax.models import ModelConfig
 from opd_jax.parallel import (
+    DistributedConfig,
+    DistributedError,
+    JobSetPlace,
     MeshConfig,
     MeshError,
     batch_shardings,
     batch_shards,
+    initialize_distributed,
+    jobset_place,
     logical_spec,
     make_mesh,
     shard,
     sharded_step,
     tree_shardings,
 )
+from rollout_bridge.servers import free_port
 
 # what each logical axis must be split over, written out independently of DEFAULT_RULES
 EXPECTED_AXES = {"embed": ("fsdp",), "vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
@@ -143,19 +149,19 @@ def test_sharded_moe_step_equals_unsharded(mesh_shape):
         np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_on_loopback_agree_with_one(unsharded, tmp_path):
-    state, _, ref, ref_metrics = unsharded
+def _two_processes(tmp_path, jobset: bool) -> Any:
     port, out = free_port(), tmp_path / "result.npz"
     worker = Path(__file__).with_name("multihost_worker.py")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    # a JobSet pod's environment, as `opd-jax k8s render` writes it: one replicated job of two pods
+    # (parallelism 2); JOBSET_COORDINATOR stands for the coordinator pod's hostname, on loopback
+    pods = [{"JOBSET_NAME": "merge", "REPLICATED_JOB_NAME": "workers", "REPLICATED_JOB_REPLICAS": "1",
+             "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": str(i), "OPD_JAX_HOSTS_PER_JOB": "2",
+             "JOBSET_COORDINATOR": "127.0.0.1", "OPD_JAX_COORDINATOR_PORT": str(port)} if jobset else {}
+            for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(out), *(["jobset"] if jobset else [])],
+                              env={**env, **pods[i]}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
     logs = []
     for p in procs:
         try:
@@ -165,11 +171,34 @@ def test_two_processes_on_loopback_agree_with_one(unsharded, tmp_path):
                 q.kill()
             raise
     assert all(p.returncode == 0 for p in procs), "\n\n".join(log[-3000:] for log in logs)
-    result = np.load(out)
+    return np.load(out)
+
+
+@pytest.mark.parametrize("jobset", [False, True], ids=["explicit", "jobset_env"])
+def test_two_processes_on_loopback_agree_with_one(unsharded, tmp_path, jobset):
+    state, _, ref, ref_metrics = unsharded
+    result = _two_processes(tmp_path, jobset)
     leaves = [result[f"leaf{i}"] for i in range(len(jax.tree.leaves(ref.policy)) + len(jax.tree.leaves(ref.critic)))]
     assert_updates_close(leaves, jax.tree.leaves((ref.policy, ref.critic)), jax.tree.leaves((state.policy, state.critic)))
     for name, value in ref_metrics.items():
         np.testing.assert_allclose(float(result[f"metric:{name}"]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_jobset_place_follows_jobsets_naming():
+    pod = {"JOBSET_NAME": "merge", "REPLICATED_JOB_NAME": "workers", "REPLICATED_JOB_REPLICAS": "2",
+           "JOB_INDEX": "1", "JOB_COMPLETION_INDEX": "3", "OPD_JAX_HOSTS_PER_JOB": "4"}
+    # job 1's pod 3 of two jobs of four pods: process 1·4 + 3 of 8; the coordinator is pod 0 of job 0
+    assert jobset_place(pod) == JobSetPlace("merge-workers-0-0.merge:8476", 8, 7)
+    assert jobset_place({**pod, "OPD_JAX_HOSTS_PER_JOB": ""}) == JobSetPlace("merge-workers-0-0.merge:8476", 2, 4)
+    assert jobset_place({}) is None
+    with pytest.raises(DistributedError, match="JOB_INDEX"):
+        jobset_place({k: v for k, v in pod.items() if k != "JOB_INDEX"})
+    with pytest.raises(DistributedError, match="JOB_COMPLETION_INDEX='x'"):
+        jobset_place({**pod, "JOB_COMPLETION_INDEX": "x"})
+    # auto outside a JobSet, or in a JobSet of one pod: a single process, jax.distributed untouched
+    assert not initialize_distributed(DistributedConfig(enabled="auto"), env={})
+    assert not initialize_distributed(DistributedConfig(enabled="auto"),
+                                      env={**pod, "REPLICATED_JOB_REPLICAS": "1", "OPD_JAX_HOSTS_PER_JOB": "1"})
 
 
 def test_rules_cover_every_parameter_name():

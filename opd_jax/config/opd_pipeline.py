@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from opd_jax.config.schema import (
     CheckpointSection,
     DataSection,
+    Distributed,
     DType,
     LoggingSection,
     ModelSection,
@@ -226,8 +227,8 @@ class MergeConfig(Section):
     """Expert name → its share of the prompt mix (when data.train is not given)."""
     mesh: MeshConfig = MeshConfig()
     """The device mesh."""
-    distributed: DistributedConfig = DistributedConfig()
-    """Multi-host start-up."""
+    distributed: Distributed = DistributedConfig()
+    """Multi-host start-up (`distributed: auto`: from a JobSet pod's environment)."""
     rollout: RolloutSection = RolloutSection()
     """The student's rollout engine and sampling."""
     opd: OPDConfig = OPDConfig()

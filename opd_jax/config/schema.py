@@ -4,15 +4,23 @@ is defined, defaulted and checked in exactly one place."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from opd_jax.core import OptimizerConfig, PPOConfig
 from opd_jax.data.domains import get_domain
 from opd_jax.parallel import DistributedConfig, MeshConfig
 
 DType = Literal["float32", "bfloat16"]
+
+
+def _distributed_shorthand(value: Any) -> Any:
+    """`distributed: auto` (or true / false) stands for `distributed: {enabled: ...}`."""
+    return {"enabled": value} if isinstance(value, (bool, str)) else value
+
+
+Distributed = Annotated[DistributedConfig, BeforeValidator(_distributed_shorthand)]
 
 
 class Section(BaseModel):
@@ -128,6 +136,8 @@ class SGLangClientSection(Section):
     """Retries of a request after connection errors, 5xx, cut streams (then it fails)."""
     max_concurrency: int = Field(256, gt=0)
     """Requests in flight at once."""
+    wait_for_servers_s: float = Field(0.0, ge=0)
+    """Running servers (urls): how long to wait at start for one to answer its health check (a cluster's servers boot beside the trainer; 0: they must answer at once)."""  # noqa: E501
 
 
 class SGLangSection(SGLangClientSection):
@@ -391,8 +401,8 @@ class TrainConfig(Section):
     """The policy."""
     mesh: MeshConfig = MeshConfig()
     """The device mesh the step is sharded over."""
-    distributed: DistributedConfig = DistributedConfig()
-    """Multi-host start-up."""
+    distributed: Distributed = DistributedConfig()
+    """Multi-host start-up (`distributed: auto`: from a JobSet pod's environment)."""
     rollout: RolloutSection = RolloutSection()
     """The rollout engine and sampling."""
     algorithm: AlgorithmSection = AlgorithmSection()

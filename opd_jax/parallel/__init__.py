@@ -1,7 +1,14 @@
 """Sharding over a device mesh: mesh construction, logical-axis rules, the sharded jit, multi-host."""
 
 from opd_jax.parallel.compile import sharded_scoring, sharded_step, under_mesh
-from opd_jax.parallel.distributed import DistributedConfig, global_batch, initialize_distributed
+from opd_jax.parallel.distributed import (
+    DistributedConfig,
+    DistributedError,
+    JobSetPlace,
+    global_batch,
+    initialize_distributed,
+    jobset_place,
+)
 from opd_jax.parallel.mesh import MESH_AXES, MeshConfig, MeshError, make_mesh
 from opd_jax.parallel.rules import (
     DEFAULT_RULES,
@@ -13,6 +20,7 @@ from opd_jax.parallel.rules import (
     tree_shardings,
 )
 
-__all__ = ["DEFAULT_RULES", "MESH_AXES", "DistributedConfig", "LogicalRules", "MeshConfig", "MeshError",
-           "batch_shardings", "batch_shards", "global_batch", "initialize_distributed", "logical_spec", "make_mesh", "shard",
-           "sharded_scoring", "sharded_step", "tree_shardings", "under_mesh"]
+__all__ = ["DEFAULT_RULES", "MESH_AXES", "DistributedConfig", "DistributedError", "JobSetPlace", "LogicalRules",
+           "MeshConfig", "MeshError", "batch_shardings", "batch_shards", "global_batch", "initialize_distributed",
+           "jobset_place", "logical_spec", "make_mesh", "shard", "sharded_scoring", "sharded_step", "tree_shardings",
+           "under_mesh"]

@@ -8,7 +8,7 @@ from opd_jax.train.batching import rollout_rewards, trajectories_to_batch
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import say
-from opd_jax.train.engines import sglang_engine
+from opd_jax.train.engines import INITIAL_WEIGHTS, sglang_engine, sglang_server_flags
 from opd_jax.train.errors import RunError
 from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
 from opd_jax.train.loop import PPOTask, memory_report, train
@@ -19,7 +19,7 @@ from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import supervised_steps, warm_start
 from opd_jax.train.signals import stop_if_requested
 
-__all__ = ["Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic", "build_model",
-           "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report", "read_metrics", "run",
-           "rollout_rewards", "run_status", "say", "sglang_engine", "stop_if_requested", "supervised_steps", "train",
-           "trajectories_to_batch", "warm_start"]
+__all__ = ["INITIAL_WEIGHTS", "Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic",
+           "build_model", "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report",
+           "read_metrics", "run", "rollout_rewards", "run_status", "say", "sglang_engine", "sglang_server_flags",
+           "stop_if_requested", "supervised_steps", "train", "trajectories_to_batch", "warm_start"]

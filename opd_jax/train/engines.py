@@ -81,6 +81,9 @@ def check_server_flags(command: Sequence[str], flags: Sequence[str]) -> None:
                           f"weight quantization from release 0.1 on")
 
 
+INITIAL_WEIGHTS = "initial"  # run_dir/refit/initial: the policy a run starts from, for servers to boot on
+
+
 def sglang_engine(section: SGLangClientSection, urls: Sequence[str], *, model_dir: Path | None, log_dir: Path,
                   server_flags: Sequence[str] = (), **options: Any) -> EngineThread:
     """An SGLang client (not started: call `.start()`) of the servers at `urls`, or of servers it
@@ -94,7 +97,7 @@ def sglang_engine(section: SGLangClientSection, urls: Sequence[str], *, model_di
                                          tuple(launch.env.items()), launch.startup_timeout_s, log_dir), model_dir)
     return EngineThread(SGLangEngine(urls, servers=servers, request_timeout_s=section.request_timeout_s,
                                      max_retries=section.max_retries, max_concurrency=section.max_concurrency,
-                                     **options))
+                                     wait_for_servers_s=section.wait_for_servers_s, **options))
 
 
 def routing_layout(config: ModelConfig) -> RoutingLayout | None:
@@ -117,6 +120,10 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
     if section.launch is not None:
         initial = (refit_dir / f"v{update.version}").resolve()
         update.save_hf(initial)
+    elif not (refit_dir / INITIAL_WEIGHTS / "config.json").exists():
+        # running servers need a model of the policy's shape to boot on: a cluster's (`opd-jax k8s
+        # render`) wait for this one, then serve the run's weights from the first refit on
+        update.save_hf(refit_dir / INITIAL_WEIGHTS)
     flags = sglang_server_flags(rollout)
     if section.launch is not None:
         check_server_flags(section.launch.command, flags)
