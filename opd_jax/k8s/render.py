@@ -20,6 +20,7 @@ servers read the trainer's refit weights from the same paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import PurePosixPath
 from typing import Any
@@ -237,7 +238,7 @@ def _check_mesh(mesh: Any, spec: ClusterSpec, key: str) -> None:
         mesh.shape(spec.devices)
     except MeshError as e:
         raise K8sError(f"--hosts {spec.hosts} × --accelerators {spec.accelerators or '0 (one CPU device)'} = "
-                       f"{spec.devices} devices, which {key} cannot use: {e}") from None
+                       f"{spec.devices} device{'s' if spec.devices > 1 else ''}, which {key} cannot use: {e}") from None
 
 
 def _distributed(section: dict[str, Any], hosts: int) -> None:
@@ -313,6 +314,8 @@ def _render_merge(config: MergeConfig, spec: ClusterSpec) -> list[Manifest]:
 
 def _render_experts(config: ExpertsConfig, spec: ClusterSpec) -> list[Manifest]:
     _check_mesh(config.expert.mesh, spec, "expert.mesh")
+    # the base's supervised warm start is one process: its JobSet has one pod
+    _check_mesh(config.expert.mesh, dataclasses.replace(spec, hosts=1), "expert.mesh (the base's one pod)")
     if config.expert.rollout.engine == "sglang" and config.expert.rollout.sglang.launch is not None:
         raise K8sError("expert.rollout.engine sglang with launched servers: each expert would need a server group "
                        "of its own, which is not rendered; use the embedded engine for the experts, or running "
