@@ -96,7 +96,11 @@ def test_sglang_quickstart_runs_its_servers_as_a_leader_worker_set_behind_a_rout
     urls = ["http://run-rollout-0.run-rollout:30000", "http://run-rollout-1.run-rollout:30000"]
     sglang = pod_config(manifests, TrainConfig).rollout.sglang
     assert (sglang.launch, sglang.urls, sglang.refit, sglang.wait_for_servers_s) == (None, urls, "disk", 1800.0)
-    deployment, service = by_kind(manifests, "Deployment")[0], by_kind(manifests, "Service")[0]
+    leaders, service = (m for m in by_kind(manifests, "Service"))
+    assert leaders["metadata"]["name"] == "run-rollout-leaders"
+    assert leaders["spec"]["selector"] == {"leaderworkerset.sigs.k8s.io/name": "run-rollout",
+                                           "leaderworkerset.sigs.k8s.io/worker-index": "0"}
+    deployment = by_kind(manifests, "Deployment")[0]
     router = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert router[router.index("--worker-urls") + 1:router.index("--host")] == urls
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]

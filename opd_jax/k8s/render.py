@@ -7,7 +7,8 @@
                     and a failed expert is retried alone (JobSet restarts); an expert's pods wait
                     for the base's base.json on the shared volume before they start
     SGLang          a LeaderWorkerSet per server group (the policy's rollout servers; each SGLang
-                    teacher's), booted on a model on the shared volume, and an sglang-router
+                    teacher's) with a Service over its leaders, booted on a model on the shared
+                    volume, and an sglang-router
                     Deployment + Service in front of the rollout servers. The trainer talks to each
                     server by its stable leader hostname, so it refits each one and checks the
                     weight version each reports (a router would hide which server answered)
@@ -175,10 +176,11 @@ def server_urls(name: str, replicas: int) -> list[str]:
 
 
 def server_group(name: str, spec: ClusterSpec, launch: Any, model_path: str, flags: tuple[str, ...] = (),
-                 *, wait: bool) -> Manifest:
+                 *, wait: bool) -> list[Manifest]:
     """A LeaderWorkerSet of launch.num_servers SGLang servers of spec.server_hosts pods each,
     running the config's launch command (its program from the server image's PATH) on
-    `model_path`; `wait`: they start once the model is on the volume (the trainer writes it)."""
+    `model_path`, and a Service over their leaders (any one server, for whoever needs one);
+    `wait`: they start once the model is on the volume (the trainer writes it)."""
     if not spec.server_image:
         raise K8sError("--server-image is required: the config runs SGLang servers (the image of their launch command)")
     check_label(name, "server group name", MAX_JOBSET_NAME)
@@ -201,11 +203,16 @@ def server_group(name: str, spec: ClusterSpec, launch: Any, model_path: str, fla
         container["resources"] = resources
     template = {"metadata": {"labels": _labels(spec, name)},
                 "spec": {"containers": [container], "volumes": _volumes(spec, with_config=False), **_placement(spec)}}
-    return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-            "metadata": _meta(name, spec, _queued(spec, "sglang")),
-            "spec": {"replicas": launch.num_servers,
-                     "leaderWorkerTemplate": {"size": spec.server_hosts, "restartPolicy": "RecreateGroupOnPodRestart",
-                                              "workerTemplate": template}}}
+    group = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+             "metadata": _meta(name, spec, _queued(spec, "sglang")),
+             "spec": {"replicas": launch.num_servers,
+                      "leaderWorkerTemplate": {"size": spec.server_hosts, "restartPolicy": "RecreateGroupOnPodRestart",
+                                               "workerTemplate": template}}}
+    # LeaderWorkerSet's own labels on its pods; worker 0 of each group is its leader (the server)
+    leaders = {"leaderworkerset.sigs.k8s.io/name": name, "leaderworkerset.sigs.k8s.io/worker-index": "0"}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(f"{name}-leaders", spec, _labels(spec, name)),
+               "spec": {"selector": leaders, "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}]}}
+    return [group, service]
 
 
 def router(spec: ClusterSpec, urls: list[str]) -> list[Manifest]:
@@ -266,7 +273,7 @@ def _rollout_servers(data: dict[str, Any], config: Any, spec: ClusterSpec, run_d
     sglang = data["rollout"]["sglang"]
     sglang.update(launch=None, urls=urls, refit="disk",
                   wait_for_servers_s=max(sglang["wait_for_servers_s"], WAIT_FOR_SERVERS_S))
-    return [group, *(router(spec, urls) if spec.router else [])]
+    return [*group, *(router(spec, urls) if spec.router else [])]
 
 
 def _teacher_servers(data: dict[str, Any], config: MergeConfig, spec: ClusterSpec) -> list[Manifest]:
@@ -279,7 +286,7 @@ def _teacher_servers(data: dict[str, Any], config: MergeConfig, spec: ClusterSpe
     out, urls = [], {}
     for teacher, path in teachers.paths.items():
         name = f"{spec.name}-teacher-{to_label(teacher)}"
-        out.append(server_group(name, spec, teachers.sglang.launch, _on_volume(path, spec), wait=True))
+        out += server_group(name, spec, teachers.sglang.launch, _on_volume(path, spec), wait=True)
         urls[teacher] = server_urls(name, teachers.sglang.launch.num_servers)
     sglang = data["teachers"]["sglang"]
     sglang.update(launch=None, urls=urls, wait_for_servers_s=max(sglang["wait_for_servers_s"], WAIT_FOR_SERVERS_S))
