@@ -175,6 +175,7 @@ def test_bad_flags_are_one_line_naming_them(tmp_path):
                       "--hosts 1 × --accelerators 3 = 3 devices, which mesh cannot use")
     assert_user_error(run_cli("k8s", "render", CONFIGS / "merge_experts.yaml", *ok, "--hosts", "2", "expert.mesh.data=2"),
                       "--hosts 1 × --accelerators 0 (one CPU device) = 1 device, which expert.mesh (the base's one pod)")
+    assert_user_error(run_cli("k8s", "render", CONFIGS / "recipe.yaml", *ok), "is a recipe")
     assert_user_error(run_cli(*base, *ok, "--memory", "lots"), "--memory 'lots' is not a Kubernetes quantity")
     assert_user_error(run_cli(*base, *ok, "--toleration", "gpu:Sometimes"), "--toleration 'gpu:Sometimes'")
     assert_user_error(run_cli(*base, *ok, "--name", "x" * 60), "--name")
