@@ -342,6 +342,9 @@ def k8s_render(
     volume_claim: Annotated[str, typer.Option(help="ReadWriteMany PVC holding the run directories.")] = "opd-jax-runs",
     mount_path: Annotated[str, typer.Option(help="Where the volume is mounted: every pod's working directory.")] = "/workspace",
     max_restarts: Annotated[int, typer.Option(help="JobSet restarts after a failure (each resumes).")] = 3,
+    env: Annotated[list[str], typer.Option(help="KEY=VALUE for the opd_jax containers (repeatable).")] = [],  # noqa: B006
+    service_account: Annotated[Optional[str], typer.Option(help="Every pod's service account.")] = None,
+    image_pull_secret: Annotated[list[str], typer.Option(help="A Secret to pull the images with (repeatable).")] = [],  # noqa: B006
     server_image: Annotated[Optional[str], typer.Option(help="The SGLang servers' image (SGLang engine or teachers).")] = None,
     server_hosts: Annotated[int, typer.Option(help="Pods per SGLang server (LeaderWorkerSet size).")] = 1,
     server_accelerators: Annotated[Optional[int], typer.Option(help="Per server pod (default: --accelerators).")] = None,
@@ -366,6 +369,8 @@ def k8s_render(
                        accelerator_resource=accelerator_resource, node_selector=parse_pairs(node_selector, "--node-selector"),
                        tolerations=tuple(Toleration.parse(t) for t in toleration), cpu=cpu, memory=memory,
                        volume_claim=volume_claim, mount_path=mount_path, max_restarts=max_restarts,
+                       env=parse_pairs(env, "--env"), service_account=service_account,
+                       image_pull_secrets=tuple(image_pull_secret),
                        server_image=server_image, server_hosts=server_hosts, server_accelerators=server_accelerators,
                        router=router, router_image=router_image)
     manifests = render(config, spec)

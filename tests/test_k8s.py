@@ -47,7 +47,8 @@ def pod_config(manifests, schema):
 def test_quickstart_on_two_hosts_validates_and_each_pod_finds_its_place():
     config = load_config(CONFIGS / "quickstart.yaml")
     manifests = render(config, spec(hosts=2, accelerators=4, memory="64Gi", priority_class="high",
-                                    node_selector=(("pool", "gpu"),)))
+                                    node_selector=(("pool", "gpu"),), env=(("HF_TOKEN", "x"),),
+                                    service_account="trainer", image_pull_secrets=("registry",)))
     assert validate_manifests(manifests) == []
     (js,) = by_kind(manifests, "JobSet")
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
@@ -58,6 +59,8 @@ def test_quickstart_on_two_hosts_validates_and_each_pod_finds_its_place():
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 4, "memory": "64Gi"}
     assert container["command"] == ["opd-jax", "k8s", "run", "--kind", "train", "/etc/opd-jax/config.yaml"]
     assert pod_spec(js)["nodeSelector"] == {"pool": "gpu"}
+    assert pod_spec(js)["serviceAccountName"] == "trainer" and pod_spec(js)["imagePullSecrets"] == [{"name": "registry"}]
+    assert {"name": "HF_TOKEN", "value": "x"} in container["env"]
     rewritten = pod_config(manifests, TrainConfig)
     assert rewritten.distributed.enabled == "auto"
     assert rewritten.model_copy(update={"distributed": config.distributed}) == config  # nothing else changed
@@ -176,6 +179,7 @@ def test_bad_flags_are_one_line_naming_them(tmp_path):
     assert_user_error(run_cli("k8s", "render", CONFIGS / "merge_experts.yaml", *ok, "--hosts", "2", "expert.mesh.data=2"),
                       "--hosts 1 × --accelerators 0 (one CPU device) = 1 device, which expert.mesh (the base's one pod)")
     assert_user_error(run_cli("k8s", "render", CONFIGS / "recipe.yaml", *ok), "is a recipe")
+    assert_user_error(run_cli(*base, *ok, "--env", "NOEQUALS"), "--env 'NOEQUALS': expected key=value")
     assert_user_error(run_cli(*base, *ok, "--memory", "lots"), "--memory 'lots' is not a Kubernetes quantity")
     assert_user_error(run_cli(*base, *ok, "--toleration", "gpu:Sometimes"), "--toleration 'gpu:Sometimes'")
     assert_user_error(run_cli(*base, *ok, "--name", "x" * 60), "--name")

@@ -97,6 +97,16 @@ def _mounts(spec: ClusterSpec, with_config: bool = True) -> list[dict[str, Any]]
     return mounts
 
 
+def _pod_access(spec: ClusterSpec) -> dict[str, Any]:
+    """Who every pod runs as and how it pulls its image."""
+    out: dict[str, Any] = {}
+    if spec.service_account:
+        out["serviceAccountName"] = spec.service_account
+    if spec.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    return out
+
+
 def _placement(spec: ClusterSpec) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if spec.node_selector:
@@ -140,14 +150,15 @@ def jobset(name: str, spec: ClusterSpec, args: list[str], *, hosts: int, compone
         raise K8sError(f"JobSet name {name!r} is longer than {MAX_JOBSET_NAME} characters (its pods' hostnames must "
                        f"fit in 63): choose a shorter --name")
     container = {"name": "opd-jax", "image": spec.image, "workingDir": spec.mount_path,
-                 "command": ["opd-jax", "k8s", "run", *args], "env": _jobset_env(hosts),
+                 "command": ["opd-jax", "k8s", "run", *args],
+                 "env": [*_jobset_env(hosts), *({"name": k, "value": v} for k, v in spec.env)],
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}],
                  "volumeMounts": _mounts(spec)}
     resources = _resources(spec, spec.accelerators)
     if resources:
         container["resources"] = resources
     pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": _volumes(spec),
-                           **_placement(spec)}
+                           **_pod_access(spec), **_placement(spec)}
     if wait_for is not None:
         pod["initContainers"] = [_wait_for(wait_for, spec, spec.image)]
     job = {"parallelism": hosts, "completions": hosts, "completionMode": "Indexed", "backoffLimit": 0,
@@ -197,12 +208,14 @@ def server_group(name: str, spec: ClusterSpec, launch: Any, model_path: str, fla
                  "command": ["sh", "-c", script], "env": [{"name": k, "value": v} for k, v in launch.env.items()],
                  "ports": [{"name": "http", "containerPort": SERVER_PORT}],
                  "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT}, "periodSeconds": 10},
-                 "volumeMounts": _mounts(spec, with_config=False)}
+                 "volumeMounts": [*_mounts(spec, with_config=False), {"name": "shm", "mountPath": "/dev/shm"}]}
     resources = _resources(spec, accelerators)
     if resources:
         container["resources"] = resources
+    # SGLang's processes share tensors through /dev/shm, which a container gets only 64 MiB of
+    volumes = [*_volumes(spec, with_config=False), {"name": "shm", "emptyDir": {"medium": "Memory"}}]
     template = {"metadata": {"labels": _labels(spec, name)},
-                "spec": {"containers": [container], "volumes": _volumes(spec, with_config=False), **_placement(spec)}}
+                "spec": {"containers": [container], "volumes": volumes, **_pod_access(spec), **_placement(spec)}}
     group = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
              "metadata": _meta(name, spec, _queued(spec, "sglang")),
              "spec": {"replicas": launch.num_servers,
@@ -227,7 +240,8 @@ def router(spec: ClusterSpec, urls: list[str]) -> list[Manifest]:
                  "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT}, "periodSeconds": 10}}
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, spec, labels),
                   "spec": {"replicas": 1, "selector": {"matchLabels": labels},  # CPU only: no accelerator placement
-                           "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}
+                           "template": {"metadata": {"labels": labels},
+                                        "spec": {"containers": [container], **_pod_access(spec)}}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, spec, labels),
                "spec": {"selector": labels, "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}]}}
     return [deployment, service]

@@ -87,6 +87,11 @@ class ClusterSpec:
     mount_path: str = "/workspace"
     """Where it is mounted; every pod's working directory, so the config's relative paths land on it."""
     max_restarts: int = 3
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables of the opd_jax containers (HF_TOKEN, XLA_FLAGS, ...)."""
+    service_account: str | None = None
+    """Every pod's Kubernetes service account (a bucket's workload identity, ...)."""
+    image_pull_secrets: tuple[str, ...] = ()
     server_image: str | None = None
     """The SGLang servers' image (an SGLang engine or SGLang teachers need one)."""
     server_hosts: int = 1
@@ -113,6 +118,13 @@ class ClusterSpec:
             if value is not None and not _QUANTITY.match(value):
                 raise K8sError(f"{flag} {value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
         check_label(self.volume_claim, "--volume-claim")
+        for secret in self.image_pull_secrets:
+            check_label(secret, "--image-pull-secret", 253)
+        if self.service_account is not None:
+            check_label(self.service_account, "--service-account", 253)
+        for key, _ in self.env:
+            if not re.match(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", key):
+                raise K8sError(f"--env {key!r}: not a valid environment variable name")
         if not self.mount_path.startswith("/"):
             raise K8sError(f"--mount-path {self.mount_path!r} must be an absolute path")
 
