@@ -309,11 +309,7 @@ def _k8s_config(config_file: Path, overrides: Optional[list[str]], kind: str) ->
             data = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
         except (OSError, yaml.YAMLError):
             data = {}  # load_config names the problem
-        kind = detect_kind(data if isinstance(data, dict) else {})
-        if isinstance(data, dict) and {"domains", "merge"} <= data.keys():
-            from opd_jax.k8s import K8sError
-            raise K8sError(f"{config_file} is a recipe (one process, every phase); on a cluster render its parts: "
-                           f"an experts config, then a merge config (docs/cluster.md)")
+        kind = detect_kind(data if isinstance(data, dict) else {}, str(config_file))
     if kind not in KINDS:
         raise ConfigError(f"--kind {kind!r}: use one of auto, {', '.join(KINDS)}")
     return _load(config_file, list(overrides or []), KINDS[kind])

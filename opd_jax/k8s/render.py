@@ -43,8 +43,12 @@ KINDS = {"train": TrainConfig, "merge": MergeConfig, "experts": ExpertsConfig}
 Manifest = dict[str, Any]
 
 
-def detect_kind(data: dict[str, Any]) -> str:
-    """Which command a config (its top-level keys) is for."""
+def detect_kind(data: dict[str, Any], source: str = "this config") -> str:
+    """Which command a config (its top-level keys, read from `source`) is for; a recipe has no
+    cluster form."""
+    if {"domains", "merge"} <= data.keys():
+        raise K8sError(f"{source} is a recipe (one process, every phase); on a cluster render its parts: an "
+                       f"experts config, then a merge config (docs/cluster.md)")
     if "experts" in data:
         return "experts"
     if {"experts_dir", "teachers", "student", "baselines"} & data.keys():
@@ -267,17 +271,17 @@ def _distributed(section: dict[str, Any], hosts: int) -> None:
         section["distributed"]["enabled"] = "auto"
 
 
-def _rollout_servers(data: dict[str, Any], config: Any, spec: ClusterSpec, run_dir: str, where: str) -> list[Manifest]:
+def _rollout_servers(data: dict[str, Any], config: TrainConfig | MergeConfig, spec: ClusterSpec) -> list[Manifest]:
     """The policy's SGLang servers launched by the trainer become a LeaderWorkerSet it connects to."""
     rollout = config.rollout
     if rollout.engine != "sglang" or rollout.sglang.launch is None:
         return []
     if rollout.sglang.refit == "restart":
-        raise K8sError(f"{where}rollout.sglang.refit restart relaunches servers the trainer started; a cluster's "
-                       f"servers are pods of their own and are refitted from disk: set it to auto or disk")
+        raise K8sError("rollout.sglang.refit restart relaunches servers the trainer started; a cluster's "
+                       "servers are pods of their own and are refitted from disk: set it to auto or disk")
     from opd_jax.train import INITIAL_WEIGHTS, sglang_server_flags
     name = f"{spec.name}-rollout"
-    model = _on_volume(f"{run_dir}/refit/{INITIAL_WEIGHTS}", spec)
+    model = _on_volume(f"{config.logging.run_dir}/refit/{INITIAL_WEIGHTS}", spec)
     try:
         flags = sglang_server_flags(rollout)
     except ConfigError as e:
@@ -314,22 +318,15 @@ def _rebuilt(config: BaseModel, data: dict[str, Any]) -> BaseModel:
         raise K8sError(f"the config rewritten for the cluster is invalid: {e}") from None
 
 
-def _render_train(config: TrainConfig, spec: ClusterSpec) -> list[Manifest]:
+def _render_run(config: TrainConfig | MergeConfig, spec: ClusterSpec, kind: str) -> list[Manifest]:
+    """A training run or a merge: its servers (rollouts; a merge's SGLang teachers) and its JobSet."""
     _check_mesh(config.mesh, spec, "mesh")
     data = to_plain(config)
     _distributed(data, spec.hosts)
-    servers = _rollout_servers(data, config, spec, config.logging.run_dir, "")
-    run = jobset(spec.name, spec, ["--kind", "train", CONFIG_PATH], hosts=spec.hosts, component="train")
-    return [config_map(spec, _rebuilt(config, data)), *servers, run]
-
-
-def _render_merge(config: MergeConfig, spec: ClusterSpec) -> list[Manifest]:
-    _check_mesh(config.mesh, spec, "mesh")
-    data = to_plain(config)
-    _distributed(data, spec.hosts)
-    servers = _rollout_servers(data, config, spec, config.logging.run_dir, "")
-    servers += _teacher_servers(data, config, spec)
-    run = jobset(spec.name, spec, ["--kind", "merge", CONFIG_PATH], hosts=spec.hosts, component="merge")
+    servers = _rollout_servers(data, config, spec)
+    if isinstance(config, MergeConfig):
+        servers += _teacher_servers(data, config, spec)
+    run = jobset(spec.name, spec, ["--kind", kind, CONFIG_PATH], hosts=spec.hosts, component=kind)
     return [config_map(spec, _rebuilt(config, data)), *servers, run]
 
 
@@ -379,7 +376,7 @@ def render(config: BaseModel, spec: ClusterSpec) -> list[Manifest]:
     if isinstance(config, ExpertsConfig):
         return _render_experts(config, spec)
     if isinstance(config, MergeConfig):
-        return _render_merge(config, spec)
+        return _render_run(config, spec, "merge")
     if isinstance(config, TrainConfig):
-        return _render_train(config, spec)
+        return _render_run(config, spec, "train")
     raise K8sError(f"cannot render a {type(config).__name__}: give a train, merge or experts config")

@@ -9,7 +9,6 @@ unknown fields, so an object schema with `properties` is closed here unless the 
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from collections.abc import Iterable
@@ -76,7 +75,7 @@ def validate_manifest(doc: dict[str, Any], k8s_version: str | None = None) -> li
         raise K8sError("checking manifests needs the kubernetes-validate package: pip install 'opd_jax[k8s]'") from None
     version = k8s_version or kubernetes_validate.latest_version()
     try:
-        kubernetes_validate.validate(copy.deepcopy(doc), version, strict=True)
+        kubernetes_validate.validate(doc, version, strict=True)
     except kubernetes_validate.ValidationError as e:  # the first error jsonschema found
         return [f"{name}: {_where(e.absolute_path)}: {_message(e)}"]
     except (kubernetes_validate.SchemaNotFoundError, kubernetes_validate.InvalidSchemaError) as e:
