@@ -9,11 +9,11 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from opd_jax.config import ExpertsConfig, MergeConfig, TrainConfig
+from opd_jax.run_files import checkpoint_steps, run_status
 
 
 def run_in_pod(config: BaseModel, only: str | None = None) -> str:
     """Run (or continue) what `config` describes; what was done, in a line."""
-    from opd_jax.train import checkpoint_steps, run_status
     if isinstance(config, ExpertsConfig):
         from opd_jax.merge import run_experts  # an expert continues from its checkpoints by itself
         return f"experts written to {run_experts(config, only=only)}"

@@ -28,6 +28,7 @@ import yaml
 from opd_jax.config import ConfigError, MergeConfig, TrainConfig, load_config, to_plain
 from opd_jax.config.sweep import SweepConfig
 from opd_jax.errors import OpdJaxError
+from opd_jax.run_files import checkpoint_steps, run_status
 from opd_jax.sweep import stats
 from opd_jax.sweep.report import write_report
 
@@ -76,7 +77,7 @@ class Sweep:
         cells = dict(self.cells)
         for name, seed in runs:
             where = self.warm_starts.get((name, seed))
-            if where is not None and where not in commands and _manifest(where).get("status") != "finished":
+            if where is not None and where not in commands and run_status(where) != "finished":
                 commands[where] = [sys.executable, "-m", "opd_jax.cli", "sft", str(self.base),
                                    *self.overrides(cells[name], seed), f"logging.run_dir={where}",
                                    "logging.progress_bar=false"]
@@ -93,7 +94,7 @@ class Sweep:
     def finished(self, cell: str, seed: int) -> bool:
         """Whether the run finished every step the sweep now asks of it."""
         run_dir = self.run_dir(cell, seed)
-        return _manifest(run_dir).get("status") == "finished" and _trained_steps(run_dir) >= self.steps[cell, seed]
+        return run_status(run_dir) == "finished" and _trained_steps(run_dir) >= self.steps[cell, seed]
 
     def command(self, cell: str, overrides: dict[str, Any], seed: int) -> list[str] | None:
         """The train (or merge) command of one run (None: it finished already). A run that finished fewer steps
@@ -101,7 +102,7 @@ class Sweep:
         run_dir = self.run_dir(cell, seed)
         if self.finished(cell, seed):
             return None
-        resume = _has_checkpoint(run_dir)
+        resume = bool(checkpoint_steps(run_dir))
         warm = self.warm_starts.get((cell, seed))
         start = [] if warm is None else ["model.fresh=null", f"model.path={warm / 'sft_policy'}", "sft.steps=0"]
         return [sys.executable, "-m", "opd_jax.cli", self.config.command, str(self.base), *self.overrides(overrides, seed),
@@ -173,14 +174,6 @@ def _execute(command: list[str], run_dir: Path, cache: Path) -> int:
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def _has_checkpoint(run_dir: Path) -> bool:
-    """Whether the run saved a completed checkpoint (orbax names each by its step; its log or a
-    half-written one, under a temporary name, do not count). Read from the directory: the sweep
-    drives training only through its command."""
-    directory = run_dir / "checkpoints"
-    return directory.is_dir() and any(p.is_dir() and p.name.isdigit() for p in directory.iterdir())
-
-
 def _trained_steps(run_dir: Path) -> int:
     """The steps a run's config asked of it (its last attempt's config.yaml)."""
     try:
@@ -199,13 +192,6 @@ def _wall_seconds(run_dir: Path) -> tuple[float, float]:
         return float(sum(phases.values())), float(phases.get("steps", math.nan))
     except (OSError, json.JSONDecodeError, TypeError, AttributeError):
         return math.nan, math.nan
-
-
-def _manifest(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
@@ -227,7 +213,7 @@ def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
         for where, status in zip(warm, statuses):
             if status != 0:
                 failed.append(f"warm start {where.name} ({where.with_suffix('.log')})")
-    broken = {w for w in warm if _manifest(w).get("status") != "finished"}
+    broken = {w for w in warm if run_status(w) != "finished"}
     skipped = [(cell, seed) for cell, _, seed, _ in todo if sweep.warm_starts.get((cell, seed)) in broken]
     failed += [f"{cell} seed {seed} (its warm start failed)" for cell, seed in skipped]
     todo = [item for item in todo if (item[0], item[2]) not in skipped]

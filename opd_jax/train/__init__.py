@@ -4,6 +4,7 @@ the supervised warm start, checkpoints, metrics, evaluation and the rollout engi
 This is train's public API: the shells above it (`opd_jax.merge`, sweeps, recipes) import from
 here and nowhere deeper."""
 
+from opd_jax.run_files import checkpoint_steps, run_status
 from opd_jax.train.batching import rollout_rewards, trajectories_to_batch
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.checkpoint import Checkpoints
@@ -14,7 +15,7 @@ from opd_jax.train.evaluate import HeldOutEvaluator, held_out_evaluator
 from opd_jax.train.loop import PPOTask, memory_report, train
 from opd_jax.train.metrics import read_metrics
 from opd_jax.train.preflight import check_run_inputs
-from opd_jax.train.run_dir import checkpoint_steps, lock, run_status
+from opd_jax.train.run_dir import lock
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import supervised_steps, warm_start
 from opd_jax.train.signals import stop_if_requested

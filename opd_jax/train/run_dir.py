@@ -26,33 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from opd_jax.run_files import MANIFEST, checkpoint_steps
 from opd_jax.train.errors import RunDirError
 
-MANIFEST = "run.json"
 LOCK = ".lock"
 HISTORY = "config_history"
 
 
 def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    """The steps of the completed checkpoints in a run directory (orbax names each by its step and
-    writes it under a temporary name until complete), newest last."""
-    directory = run_dir / "checkpoints"
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def run_status(run_dir: Path) -> str | None:
-    """The status run.json records (running, finished, interrupted, failed; a killed run stays
-    "running"), or None where there is no run. A run is done when this says "finished"."""
-    try:
-        return json.loads((Path(run_dir) / MANIFEST).read_text()).get("status")
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def lock(run_dir: Path, command: str) -> Any:

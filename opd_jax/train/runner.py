@@ -43,6 +43,7 @@ from opd_jax.parallel import (
     sharded_step,
     tree_shardings,
 )
+from opd_jax.run_files import checkpoint_steps
 from opd_jax.train import signals
 from opd_jax.train.batching import packed_for
 from opd_jax.train.checkpoint import Checkpoints
@@ -51,7 +52,7 @@ from opd_jax.train.dump import dump_rollouts
 from opd_jax.train.errors import Interrupted, RunDirError, RunError
 from opd_jax.train.metrics import MetricsLog, plot_curves, run_summary
 from opd_jax.train.rollouts import RolloutSession
-from opd_jax.train.run_dir import RunDirectory, checkpoint_steps
+from opd_jax.train.run_dir import RunDirectory
 
 
 class Task(Protocol):
