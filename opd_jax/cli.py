@@ -6,6 +6,7 @@ import errno
 import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,10 @@ app.add_typer(k8s_app, name="k8s")
 
 USER_ERROR = 2  # the exit status of a problem the user can fix (click's own usage errors use it too)
 _debug = False
+# set when a second Ctrl-C stopped a command: main() then ends the process at once, so that no
+# writer thread of orbax or computation of XLA left running prints its own traceback (or aborts)
+# while Python shuts down
+_exit_at_once: int | None = None
 
 
 def _speaks_plainly(command: Callable) -> Callable:
@@ -40,6 +45,7 @@ def _speaks_plainly(command: Callable) -> Callable:
             if _debug:
                 raise
             typer.echo(f"{getattr(e, 'prefix', 'error')}: {e}", err=True)
+            _stop_at_once(e)
             raise typer.Exit(getattr(e, "exit_status", USER_ERROR)) from None
         except OSError as e:
             if _debug or e.errno != errno.ENOSPC:
@@ -47,12 +53,19 @@ def _speaks_plainly(command: Callable) -> Callable:
             typer.echo(f"error: no space left on device writing {e.filename or 'a file'}; free some space (a run "
                        f"continues from its last checkpoint with --resume)", err=True)
             raise typer.Exit(USER_ERROR) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             if _debug:
                 raise
-            typer.echo("stopped: interrupted (a run continues from its last checkpoint with --resume)", err=True)
+            typer.echo("stopped: interrupted", err=True)
+            _stop_at_once(e)
             raise typer.Exit(130) from None
     return run
+
+
+def _stop_at_once(error: BaseException) -> None:
+    global _exit_at_once
+    if isinstance(error, KeyboardInterrupt) or getattr(error, "at_once", False):
+        _exit_at_once = getattr(error, "exit_status", 130)
 
 
 def _command(target: typer.Typer = app, **options):
@@ -407,7 +420,13 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="Show the tracebac
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        if _exit_at_once is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_exit_at_once)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,21 @@
 """Checkpoints of a run through orbax: the whole train state (policy, critic, optimizer states,
 step) plus the prompt iterator's state and how many prompt groups were drawn.
 
-Faults are the user's to read in one line, never orbax's or tensorstore's: orbax writes each
+Faults are the user's to read in one line, never orbax's or tensorstore's. Orbax writes each
 step under a temporary name and renames it when complete, so a kill mid-save leaves the previous
-checkpoint as the latest; a save that fails (a full disk, say) removes its partial directory and
-says why; an unreadable checkpoint is moved aside (`checkpoints_unreadable/`, nothing deleted)
-and the run falls back to the newest readable one. Orbax's own log lines go to
-`checkpoints/orbax.log`, not the terminal.
+checkpoint as the latest; what a killed or failed save left behind is removed (a failed save at
+once, a killed one when the next run opens the directory). Each checkpoint records, atomically
+with its state, the tree it holds (every leaf's path, shape and dtype, in `meta`) and, once
+committed, a SHA-256 of every file (`checksums.json`). A resume decides from these records, not
+from a restore error:
+
+- a checkpoint whose files differ from their checksums (truncated, zeroed, missing), or that does
+  not restore, is unreadable: it is moved aside (`checkpoints_unreadable/`, nothing deleted) with a
+  one-line note naming the file, and the next newest is tried;
+- a checkpoint whose recorded tree differs from the state the config builds does not fit the
+  config (`CheckpointMismatch`, naming the leaf); no checkpoint of the run would, so the run stops.
+
+Orbax's own log lines go to `checkpoints/orbax.log`, not the terminal.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import hashlib
+import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -27,6 +39,68 @@ import orbax.checkpoint as ocp
 from opd_jax.train.errors import RunError
 
 _ABSL = logging.getLogger("absl")  # orbax logs through absl
+CHECKSUMS = "checksums.json"  # beside orbax's items in a step's directory, written once it is committed
+_TMP = ".orbax-checkpoint-tmp"  # in the names of what orbax writes before a step commits
+
+
+class CheckpointMismatch(RunError):
+    """A checkpoint that holds another tree than the state the config builds (a changed model or
+    optimizer): every checkpoint of the run would fail the same way."""
+
+
+def tree_record(tree: Any) -> dict[str, list]:
+    """{leaf path: [shape, dtype]} of every leaf: what a checkpoint holds, decided without reading it."""
+    return {jax.tree_util.keystr(path): [list(leaf.shape), str(leaf.dtype)]
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def tree_difference(stored: dict[str, list], ours: dict[str, list]) -> str | None:
+    """The first difference between two tree records, in words; None if they have the same leaves
+    and shapes (a dtype may differ: a restore casts)."""
+    for path, (shape, _) in ours.items():
+        if path not in stored:
+            return f"{path} is not in the checkpoint"
+        if list(stored[path][0]) != list(shape):
+            return f"{path} is {tuple(stored[path][0])} in the checkpoint, {tuple(shape)} now"
+    extra = [p for p in stored if p not in ours]
+    return f"the checkpoint holds {extra[0]}, which the config does not build" if extra else None
+
+
+def _file_hashes(directory: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file under `directory` but the checksums' own."""
+    out = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != CHECKSUMS:
+            out[str(path.relative_to(directory))] = [path.stat().st_size, _sha256(path)]
+    return out
+
+
+def verify_files(directory: Path) -> str | None:
+    """What differs between a committed checkpoint's files and the checksums recorded when it
+    committed, in words (the first file); None if they agree or none were recorded."""
+    try:
+        recorded = json.loads((directory / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return None  # killed between orbax's commit and the checksums: the restore decides
+    except (OSError, ValueError) as e:
+        return f"{CHECKSUMS} is unreadable ({_first_line(e, 80)})"
+    for name, (size, digest) in recorded.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, {size} when saved"
+        if _sha256(path) != digest:
+            return f"{name} differs from what was saved (SHA-256)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class _LogFile(logging.FileHandler):
@@ -68,6 +142,8 @@ class Checkpoints:
         self.directory = directory.absolute()
         self.say = say
         self.directory.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            self._remove_partial()  # what a save killed by a second Ctrl-C (or kill -9) left behind
         self._log = _LogFile(self.directory / "orbax.log")
         _ABSL.addHandler(self._log)
         self._propagate, _ABSL.propagate = _ABSL.propagate, False
@@ -75,19 +151,29 @@ class Checkpoints:
         self.keep = keep
 
     def _manager(self, keep: int) -> ocp.CheckpointManager:
-        return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-                                     item_names=("state", "meta"))
+        # saved synchronously: a second Ctrl-C during a save then stops it here, in this thread,
+        # instead of leaving orbax's writer thread behind
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Write step `step`; a failure removes the partial directory and raises RunError in one line."""
+        """Write step `step` (its tree recorded in the metadata, its files' checksums once it is
+        committed); a failure removes the partial directory and raises RunError in one line, a
+        KeyboardInterrupt (a second Ctrl-C) removes it and goes on."""
         try:
             with _quiet():
-                self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                                meta=ocp.args.JsonSave(meta)))
+                self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, "tree": tree_record(state)})))
                 self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                _write_atomically(self.directory / str(step) / CHECKSUMS,
+                                  json.dumps(_file_hashes(self.directory / str(step))))
+        except KeyboardInterrupt:
+            self._remove_partial()
+            raise
         except Exception as e:
             removed = self._remove_partial()
             latest = [s for s in self.manager.all_steps(read=True) if s != step]
@@ -103,10 +189,12 @@ class Checkpoints:
                            f"{kept}") from None
 
     def _remove_partial(self) -> bool:
-        """Remove what a failed save left under orbax's temporary names; True if there was any."""
-        partial = [p for p in self.directory.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+        """Remove what a failed or killed save left under orbax's temporary names (and a committed
+        step's half-written checksums); True if there was any."""
+        partial = [p for p in self.directory.iterdir() if _TMP in p.name]
+        partial += list(self.directory.glob(f"*/{CHECKSUMS}.tmp"))
         for p in partial:
-            shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         return bool(partial)
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
@@ -115,49 +203,59 @@ class Checkpoints:
         with _quiet():
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                      meta=ocp.args.JsonRestore()))
-        return out.state, out.meta
+        meta = dict(out.meta)
+        meta.pop("tree", None)
+        return out.state, meta
+
+    def _recorded_tree(self, step: int) -> dict[str, list] | None:
+        """The tree step `step` recorded (None for a checkpoint saved before trees were recorded);
+        an OSError/ValueError if its metadata does not read."""
+        with _quiet():
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        return meta.get("tree")
 
     def restore_latest(self, like: Any) -> tuple[int, Any, dict[str, Any]]:
-        """The newest checkpoint that reads: (step, state, metadata). An unreadable one is moved to
+        """The newest checkpoint that reads: (step, state, metadata). An unreadable one (files that
+        differ from their checksums, metadata or arrays that do not restore) is moved to
         `checkpoints_unreadable/<step>` with a one-line note, and the next newest is tried. A
-        checkpoint whose shapes differ from `like` stops the run (every other one would too)."""
+        checkpoint whose recorded tree differs from `like` raises CheckpointMismatch."""
+        ours = tree_record(like)
         for step in sorted(self.manager.all_steps(read=True), reverse=True):
-            try:
-                state, meta = self.restore(step, like)
-            except Exception as e:
-                mismatch = self._shape_mismatch(step, like)
-                if mismatch:
-                    raise RunError(f"checkpoint step {step} does not fit this config: {mismatch} (the model or its "
-                                   f"optimizer changed since the run started)") from None
-                aside = self.directory.parent / "checkpoints_unreadable" / str(step)
-                aside.parent.mkdir(exist_ok=True)
-                shutil.move(str(self.directory / str(step)), str(aside))
-                self.manager.reload()
-                self.say(f"checkpoint step {step} is unreadable ({_first_line(e, 160)}); moved to {aside}, trying the "
-                         f"previous one")
-                continue
-            return step, state, meta
+            problem = verify_files(self.directory / str(step))
+            if problem is None:
+                try:
+                    stored = self._recorded_tree(step)
+                except Exception as e:
+                    problem = f"its metadata does not read: {_first_line(e, 160)}"
+            if problem is None:
+                difference = stored is not None and tree_difference(stored, ours)
+                if difference:
+                    raise CheckpointMismatch(f"checkpoint step {step} does not fit this config: {difference}")
+                try:
+                    state, meta = self.restore(step, like)
+                    return step, state, meta
+                except Exception as e:
+                    problem = _first_line(e, 160)
+            self._set_aside(step, problem)
         raise RunError(f"no readable checkpoint in {self.directory}: nothing to resume")
 
-    def _shape_mismatch(self, step: int, like: Any) -> str | None:
-        """'<leaf path>: stored (4, 4), config (5, 4)' for the first leaf whose shape differs, if any."""
-        try:
-            stored = self.manager.item_metadata(step)["state"]
-        except Exception:
-            return None
-        ours = dict(jax.tree_util.tree_flatten_with_path(like)[0])
-        theirs = dict(jax.tree_util.tree_flatten_with_path(stored)[0]) if stored is not None else {}
-        for path, leaf in ours.items():
-            if path in theirs and tuple(getattr(theirs[path], "shape", ())) != tuple(leaf.shape):
-                return (f"{jax.tree_util.keystr(path)} is {tuple(theirs[path].shape)} in the checkpoint, "
-                        f"{tuple(leaf.shape)} now")
-        missing = [jax.tree_util.keystr(p) for p in ours if p not in theirs]
-        if theirs and missing:
-            return f"{missing[0]} is not in the checkpoint"
-        return None
+    def _set_aside(self, step: int, problem: str) -> None:
+        aside = self.directory.parent / "checkpoints_unreadable" / str(step)
+        aside.parent.mkdir(exist_ok=True)
+        if aside.exists():  # set aside before under the same step, by an earlier attempt
+            aside = aside.with_name(f"{step}.{len(list(aside.parent.glob(f'{step}.*'))) + 1}")
+        shutil.move(str(self.directory / str(step)), str(aside))
+        self.manager.reload()
+        self.say(f"checkpoint step {step} is unreadable ({problem}); moved to {aside}, trying the previous one")
 
     def close(self) -> None:
         self.manager.close()
         _ABSL.removeHandler(self._log)
         _ABSL.propagate = self._propagate
         self._log.close()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -4,7 +4,7 @@ success through the same engine, and the per-episode metrics."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ from opd_jax.config import EpisodeSection
 from opd_jax.data import Example
 from opd_jax.envs import EpisodeLimits, Trajectory, TurnBatcher, TurnCodec, episode_factory, run_episode
 from opd_jax.models import Tokenizer
+from opd_jax.train.errors import EvaluationStopped
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.records import SamplingParams
 
@@ -48,13 +49,16 @@ class EpisodePlayer:
             return list(await asyncio.gather(*(self._episode(example, sampling, s, metadata) for s in seeds)))
         return episodes()
 
-    def evaluate(self, held_out: dict[str, Sequence[Example]], stop_token_ids: tuple[int, ...]) -> dict[str, float]:
+    def evaluate(self, held_out: dict[str, Sequence[Example]], stop_token_ids: tuple[int, ...],
+                 stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
         """Greedy episodes of each environment domain's held-out set: {"eval/<domain>/accuracy":
         the success rate, "eval/<domain>/turns": mean turns, "eval/<domain>/failed": episodes
-        that failed (out of the rate)}."""
+        that failed (out of the rate)}. `stop()` is asked before each domain (True: EvaluationStopped)."""
         greedy = SamplingParams(max_new_tokens=self.limits.turn_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
         out: dict[str, float] = {}
         for domain, examples in sorted(held_out.items()):
+            if stop():
+                raise EvaluationStopped
 
             async def play(examples=examples, domain=domain):
                 self._batcher.expect(len(examples))

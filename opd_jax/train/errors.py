@@ -18,6 +18,12 @@ class Interrupted(RunError):
 
     prefix = "stopped"
 
-    def __init__(self, message: str, exit_status: int):
+    def __init__(self, message: str, exit_status: int, *, at_once: bool = False):
         super().__init__(message)
         self.exit_status = exit_status
+        self.at_once = at_once  # a second Ctrl-C: the process ends without waiting for its threads
+
+
+class EvaluationStopped(Exception):
+    """A held-out evaluation left unfinished because the run was asked to stop (the run loop's to
+    handle; never shown to a user)."""

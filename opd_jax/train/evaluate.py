@@ -17,6 +17,7 @@ from opd_jax.rewards import RewardError, RewardFn, load_reward_fn
 from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.train.batching import rollout_rewards
 from opd_jax.train.build import EngineNumerics, encode_prompt, engine_model, stop_ids
+from opd_jax.train.errors import EvaluationStopped
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
@@ -24,14 +25,18 @@ from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
 
 def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Sequence[Example]],
              encode: Callable[[Example], list[int]], *, max_new_tokens: int, stop_token_ids: tuple[int, ...],
-             reward_fn: RewardFn | None = None, on_bad: str = "fail") -> dict[str, float]:
+             reward_fn: RewardFn | None = None, on_bad: str = "fail",
+             stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
     """{"eval/<domain>/accuracy": mean reward of greedy answers, ..., "eval/accuracy": the mean
     over domains}; nothing without held-out prompts. A request the engine could not serve stops
     the evaluation with its error; bad samples (on_bad="skip") leave the mean and are counted in
-    "eval/<domain>/bad_samples"."""
+    "eval/<domain>/bad_samples". `stop()` is asked before each domain: True raises
+    EvaluationStopped (a run asked to stop does not wait for the rest)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     out: dict[str, float] = {}
     for domain, examples in sorted(held_out.items()):
+        if stop():
+            raise EvaluationStopped
         completions = engine.generate([Request(encode(e), params, {"domain": domain}) for e in examples])
         failed = [c for c in completions if isinstance(c, Failure)]
         if failed:

@@ -38,6 +38,7 @@ class MetricsLog:
         self.bar = progress(total_steps, description, initial=start_step, enabled=progress_bar)
         self.last: dict[str, float] = {}
         self.shown: set[str] = set()  # bar fields that were ever non-zero (an always-zero field says nothing)
+        self._clock_from_next = False
 
     def log(self, step: int, metrics: dict[str, Any], *, advance: bool = True) -> None:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -50,7 +51,11 @@ class MetricsLog:
         self.last.update(row)
         self.shown.update(k for k, v in _BAR_KEYS.items() if self.last.get(v))
         self.bar.set_postfix({k: f"{self.last[v]:.3g}" for k, v in _BAR_KEYS.items() if k in self.shown}, refresh=False)
-        if advance:
+        if advance and self._clock_from_next:  # no frame with the compile's rate: the ETA shows "?" until the next
+            self.bar.n += 1
+            restart_clock(self.bar)
+            self._clock_from_next = False
+        elif advance:
             self.bar.update(1)
         else:
             self.bar.refresh()
@@ -60,8 +65,9 @@ class MetricsLog:
         self.bar.set_postfix_str(text)
 
     def restart_clock(self) -> None:
-        """The ETA from here on ignores the steps so far (the first one compiles)."""
-        restart_clock(self.bar)
+        """The ETA ignores the steps so far and the one logged next (the first one, which compiles):
+        it counts from that log on."""
+        self._clock_from_next = True
 
     def close(self) -> None:
         self.bar.close()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from opd_jax.config import ConfigError, DataSection, ModelSection
 from opd_jax.config.schema import RolloutSection
-from opd_jax.data import read_jsonl
-from opd_jax.data.sources import DataError
+from opd_jax.data import eval_prompts, read_jsonl
+from opd_jax.data.sources import DataError, ProceduralSource
 from opd_jax.models import Tokenizer, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelConfig, ModelFormatError
@@ -60,9 +60,19 @@ def check_reward_fn(key: str, path: str | None) -> None:
         raise ConfigError(f"{key}: {e}") from None
 
 
+# training prompts of a built-in domain measured against the context: its held-out set is measured whole
+_BUILTIN_DRAWS = 256
+
+
 def check_data(data: DataSection, tokenizer: Tokenizer | None, context: int | None, max_new_tokens: int) -> None:
     """Every JSONL prompt file of the data section parses, and every prompt (train and held-out)
-    leaves room for max_new_tokens in the model's context."""
+    leaves room for max_new_tokens in the model's context: each JSONL prompt, a built-in domain's
+    held-out prompts and a draw of its training stream."""
+    if context is not None and max_new_tokens >= context:
+        raise ConfigError(f"rollout.max_new_tokens is {max_new_tokens}, which leaves no room for a prompt in the "
+                          f"model's context of {context} tokens")
+    if tokenizer is not None and context is not None:
+        _check_builtin_lengths(data, tokenizer, context, max_new_tokens)
     for i, spec in enumerate(data.train):
         for field in ("jsonl", "eval_jsonl"):
             file = getattr(spec, field)
@@ -80,6 +90,20 @@ def check_data(data: DataSection, tokenizer: Tokenizer | None, context: int | No
                     raise DataError(f"{Path(file)}:{_line(example.uid)}: the prompt is {length} tokens; with "
                                     f"rollout.max_new_tokens {max_new_tokens} that is more than the model's context of "
                                     f"{context} (data.train[{i}].{field})")
+
+
+def _check_builtin_lengths(data: DataSection, tokenizer: Tokenizer, context: int, max_new_tokens: int) -> None:
+    held_out = eval_prompts(data)
+    for i, spec in enumerate(data.train):
+        if spec.builtin is None:
+            continue
+        drawn = ProceduralSource(spec.builtin, seed=data.seed + i, split="train", params=spec.params)
+        for example in [*held_out.get(spec.builtin, []), *(drawn[j] for j in range(_BUILTIN_DRAWS))]:
+            length = len(encode_prompt(example, tokenizer, data.chat_template))
+            if length + max_new_tokens > context:
+                raise DataError(f"data.train[{i}] ({spec.builtin}): prompt {example.uid} is {length} tokens; with "
+                                f"rollout.max_new_tokens {max_new_tokens} that is more than the model's context of "
+                                f"{context}")
 
 
 def _line(uid: str) -> str:

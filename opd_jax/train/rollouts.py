@@ -177,16 +177,17 @@ class RolloutSession:
         return {"rollout/refit_s": time.perf_counter() - began, **self.pipe.stats.take(),
                 **{f"rollout/{k}": v for k, v in self.engine.metrics().items()}}
 
-    def evaluate(self, at_step: int) -> dict[str, float]:
-        """Held-out accuracy per domain of the weights the engine serves now (greedy)."""
+    def evaluate(self, at_step: int, stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
+        """Held-out accuracy per domain of the weights the engine serves now (greedy); `stop()`,
+        asked between domains, ends it early with EvaluationStopped."""
         try:
             out = evaluate(self.engine, self.tokenizer, self.held_out, self.encode,
                            max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=self.stops,
-                           reward_fn=self.reward_fn, on_bad=self.data.on_bad_reward)
+                           reward_fn=self.reward_fn, on_bad=self.data.on_bad_reward, stop=stop)
         except RewardError as e:
             raise RunError(f"evaluation at step {at_step}: {e}") from None
         if self.episodes is not None:
-            out.update(self.episodes.evaluate(self.held_out_episodes, self.stops))
+            out.update(self.episodes.evaluate(self.held_out_episodes, self.stops, stop=stop))
             accuracies = [v for k, v in out.items() if k.endswith("/accuracy") and k != "eval/accuracy"]
             out["eval/accuracy"] = float(np.nanmean(accuracies))
         return out

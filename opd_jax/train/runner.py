@@ -46,10 +46,10 @@ from opd_jax.parallel import (
 from opd_jax.run_files import checkpoint_steps
 from opd_jax.train import signals
 from opd_jax.train.batching import packed_for
-from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.checkpoint import CheckpointMismatch, Checkpoints
 from opd_jax.train.console import say
 from opd_jax.train.dump import dump_rollouts
-from opd_jax.train.errors import Interrupted, RunDirError, RunError
+from opd_jax.train.errors import EvaluationStopped, Interrupted, RunDirError, RunError
 from opd_jax.train.metrics import MetricsLog, plot_curves, run_summary
 from opd_jax.train.rollouts import RolloutSession
 from opd_jax.train.run_dir import RunDirectory
@@ -142,12 +142,26 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
     except Interrupted as e:
         status, details = "interrupted", {"message": str(e)}
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped wherever it was, a partial checkpoint removed
+        status = "interrupted"
+        stopped = Interrupted(f"SIGINT twice: stopped at once; {_continue_hint(run_dir)}", signals.exit_status(),
+                              at_once=True)
+        details = {"message": str(stopped)}
+        raise stopped from None
     except BaseException as e:
         details = {"error": f"{type(e).__name__}: {e}"}
         raise
     finally:
         directory.close(status, **details)
     return run_dir, state
+
+
+def _continue_hint(run_dir: Path) -> str:
+    """How to go on from what the run directory holds now."""
+    steps = checkpoint_steps(run_dir)
+    if steps:
+        return f"the latest checkpoint is step {steps[-1]}; continue with: {_resume_command()}"
+    return "no checkpoint yet; to start over, run the same command again"
 
 
 def _check_resumable(config: Any, directory: RunDirectory, force: bool) -> None:
@@ -172,6 +186,17 @@ def _check_resumable(config: Any, directory: RunDirectory, force: bool) -> None:
     say(f"resuming with a changed config (the earlier one stays in {directory.path}/config_history/):\n{shown}")
 
 
+def _changed_since(config: Any, directory: RunDirectory) -> str:
+    """'; ...' naming the config changes since the last attempt that a checkpoint's shapes depend on."""
+    previous = directory.previous_config()
+    changes = config_changes(previous, config) if previous is not None else {}
+    fixed = fixed_on_resume(changes, type(config).resume_fixed)
+    if not fixed:
+        return " (the model or its optimizer changed since the run started)"
+    shown = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in fixed)
+    return f"; the config changed {shown} since it was saved, which no resume can honour, even with --force"
+
+
 def _resume_command() -> str:
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     return "opd-jax " + " ".join(shlex.quote(a) for a in argv[:1] + ["--resume"] + argv[1:])
@@ -193,7 +218,10 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
             _add(phases, name, seconds)
         state, meta, start = task.create_state(), None, 0
         if resume:
-            start, state, meta = checkpoints.restore_latest(state)
+            try:
+                start, state, meta = checkpoints.restore_latest(state)
+            except CheckpointMismatch as e:
+                raise CheckpointMismatch(f"{e}{_changed_since(config, directory)}") from None
             task.restore(meta.get("task", {}))
             say(f"resuming {run_dir} from step {start}")
             directory.record_config(dump_config(config))
@@ -206,7 +234,8 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
         log = MetricsLog(run_dir, config.steps, start, tensorboard=config.logging.tensorboard,
                          progress_bar=config.logging.progress_bar, description=task.command)
         try:
-            state = _steps(config, task, state, session, mesh, log, checkpoints, start, phases, stop_after, run_dir)
+            state = _steps(config, task, state, session, mesh, log, checkpoints, start, phases, stop_after, run_dir,
+                           unlogged=(meta or {}).get("unlogged"))
         finally:
             log.close()
     finally:
@@ -258,13 +287,21 @@ def _write_phases(run_dir: Path, phases: dict[str, float]) -> None:
 
 def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: jax.sharding.Mesh, log: MetricsLog,
            checkpoints: Checkpoints, start: int, phases: dict[str, float], stop_after: int | None,
-           run_dir: Path) -> Any:
+           run_dir: Path, unlogged: dict[str, float] | None = None) -> Any:
+    """The steps from `start`; `unlogged`: the metrics of step `start` that a stop during its
+    held-out evaluation kept in the checkpoint instead of the log (evaluated and logged first)."""
     vocab = task.policy.config.vocab_size
     score_fn = step_fn = None
+    asked_to_stop = lambda: signals.requested() is not None  # noqa: E731
     if start == 0 and config.logging.eval_at_start:
         log.note("held-out evaluation")
         with _timed(phases, "evaluation"):
-            log.log(0, session.evaluate(0), advance=False)
+            try:
+                log.log(0, session.evaluate(0, stop=asked_to_stop), advance=False)
+            except EvaluationStopped:
+                signals.stop_if_requested("the held-out evaluation before the first step")
+    if unlogged is not None:
+        _evaluated(config, session, log, phases, start, unlogged, asked_to_stop)
     for step in range(start, config.steps):
         began = time.perf_counter()
         supplied = task.supplied_batch(step)
@@ -289,21 +326,37 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
         metrics.update(session.refit(task.policy_params(state), step + 1))
         done = step + 1
         _add(phases, "first step (compiles)" if compiling else "steps", time.perf_counter() - began)
-        if done % config.logging.eval_every == 0 or done == config.steps:
-            log.note("held-out evaluation")
-            with _timed(phases, "evaluation"):
-                metrics.update(session.evaluate(done))
-        log.log(done, metrics)
         if compiling:
-            log.restart_clock()
+            log.restart_clock()  # the ETA counts from the steps after the compile
+        logged = _evaluated(config, session, log, phases, done, metrics, asked_to_stop)
         stop = signals.requested()
         if done % config.checkpoint.every == 0 or done == config.steps or stop:
             with _timed(phases, "checkpoints"):
-                checkpoints.save(done, state, {**session.state(), "task": task.resume_state()})
+                checkpoints.save(done, state, {**session.state(), "task": task.resume_state(),
+                                               **({} if logged else {"unlogged": metrics})})
             _write_phases(run_dir, phases)
+        if stop and not logged:
+            raise Interrupted(f"{stop} during the held-out evaluation after step {done} of {config.steps}: checkpoint "
+                              f"saved (step {done}; its evaluation runs on resume); continue with: {_resume_command()}",
+                              signals.exit_status())
         if stop and done < config.steps:
             raise Interrupted(f"{stop} after step {done} of {config.steps}: checkpoint saved (step {done}); continue "
                               f"with: {_resume_command()}", signals.exit_status())
         if stop_after is not None and done >= stop_after:
             return None
     return state
+
+
+def _evaluated(config: Any, session: RolloutSession, log: MetricsLog, phases: dict[str, float], done: int,
+               metrics: dict[str, float], stop: Any) -> bool:
+    """Log step `done`'s metrics, with the held-out evaluation on eval steps; False (nothing
+    logged) when a stop request ended the evaluation early."""
+    if done % config.logging.eval_every == 0 or done == config.steps:
+        log.note("held-out evaluation")
+        with _timed(phases, "evaluation"):
+            try:
+                metrics = {**metrics, **session.evaluate(done, stop=stop)}
+            except EvaluationStopped:
+                return False
+    log.log(done, metrics)
+    return True
