@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 import errno
 import functools
 import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -42,14 +44,16 @@ def _speaks_plainly(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except OpdJaxError as e:
-            if _debug:
-                raise
+            if _debug:  # the traceback, then the same line and status as without --debug
+                traceback.print_exc()
             typer.echo(f"{getattr(e, 'prefix', 'error')}: {e}", err=True)
             _stop_at_once(e)
             raise typer.Exit(getattr(e, "exit_status", USER_ERROR)) from None
         except OSError as e:
-            if _debug or e.errno != errno.ENOSPC:
+            if e.errno != errno.ENOSPC:
                 raise
+            if _debug:
+                traceback.print_exc()
             typer.echo(f"error: no space left on device writing {e.filename or 'a file'}; free some space (a run "
                        f"continues from its last checkpoint with --resume)", err=True)
             raise typer.Exit(USER_ERROR) from None
@@ -74,6 +78,11 @@ def _command(target: typer.Typer = app, **options):
     return register
 
 
+class DType(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[Path],
               prompt_ids: Optional[str]) -> list[dict[str, Any]]:
     requests: list[dict[str, Any]] = [{"prompt": p} for p in prompt]
@@ -92,13 +101,19 @@ def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[P
         except ValueError:
             raise typer.BadParameter("expected comma-separated integers", param_hint="--prompt-ids") from None
     if input_file is not None:
-        for n, line in enumerate(input_file.read_text().splitlines(), start=1):
+        from opd_jax.data.sources import json_problem
+        for n, raw in enumerate(input_file.read_bytes().splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise typer.BadParameter(f"line {n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                         f"save the file as UTF-8", param_hint="--input") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise typer.BadParameter(f"line {n}: not valid JSON ({e})", param_hint="--input") from None
+                raise typer.BadParameter(f"line {n}: not valid JSON ({json_problem(e)})", param_hint="--input") from None
             if not isinstance(record, dict) or not ({"prompt", "messages", "prompt_ids"} & record.keys()):
                 raise typer.BadParameter(f"line {n}: needs a 'prompt', 'messages' or 'prompt_ids' field",
                                          param_hint="--input")
@@ -124,7 +139,7 @@ def generate(
     stop_id: Annotated[list[int], typer.Option(help="Extra stop token id (repeatable); EOS always stops.")] = [],  # noqa: B006
     chat: Annotated[bool, typer.Option(help="Wrap plain prompts in the model's chat template.")] = True,
     seed: Annotated[int, typer.Option()] = 0,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[DType, typer.Option(help="The weights' and computation's dtype.")] = DType.float32,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per sample: text, token ids, logprobs.")] = False,
 ) -> None:
     """Sample from a model: the text of each sample (with --json, one JSON line per sample with
@@ -135,7 +150,7 @@ def generate(
     from opd_jax.sampling import Sampler, SamplingParams
 
     requests = _requests(prompt, messages, input_file, prompt_ids)
-    decoder, tokenizer = load_model(resolve_model_path(model), dtype=dtype)
+    decoder, tokenizer = load_model(resolve_model_path(model), dtype=dtype.value)
     stops = set(stop_id) | set(decoder.config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
@@ -179,6 +194,13 @@ def _split_overrides(config_file: Optional[Path], overrides: Optional[list[str]]
     return config_file, overrides
 
 
+def _needs_config(command: str, config_file: Optional[Path], overrides: Optional[list[str]]) -> None:
+    """A command that trains is never run on the defaults alone: they are no run anyone meant."""
+    if config_file is None and not overrides:
+        raise typer.BadParameter(f"give a config file (e.g. opd-jax {command} configs/quickstart.yaml) or KEY=VALUE "
+                                 f"overrides; `opd-jax config show` prints every default", param_hint="CONFIG")
+
+
 def _load(config_file: Optional[Path], overrides: list[str], schema: Any = None):
     from opd_jax.config import TrainConfig, load_config
     return load_config(config_file, overrides, schema=schema or TrainConfig)
@@ -195,6 +217,7 @@ def train(
     """RL-train a policy (PPO with a critic + IcePop by default; see the config)."""
     from opd_jax.train import train as run
 
+    _needs_config("train", config_file, overrides)
     config = _load(*_split_overrides(config_file, overrides))
     typer.echo(f"run written to {run(config, resume=resume, force=force)}")
 
@@ -207,6 +230,7 @@ def sft(
     """Supervised warm start only (the config's sft section); writes a Hugging Face directory."""
     from opd_jax.train.sft import run_sft
 
+    _needs_config("sft", config_file, overrides)
     typer.echo(f"model written to {run_sft(_load(*_split_overrides(config_file, overrides)))}")
 
 
@@ -371,6 +395,9 @@ def k8s_render(
         raise K8sError("--image is required: the opd_jax image the pods run")
     if not queue:
         raise K8sError("--queue is required: the Kueue LocalQueue the workloads are submitted to")
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise K8sError(f"--out {out}: " + ("is a directory; name a file" if out.is_dir() else
+                                           f"its directory {out.parent} does not exist"))
     config = _k8s_config(config_file, overrides, kind)
     run_dir = config.run_dir if hasattr(config, "run_dir") else config.logging.run_dir
     spec = ClusterSpec(image=image, queue=queue, name=name or to_label(Path(run_dir).name) or "opd-jax",
@@ -420,13 +447,38 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="Show the tracebac
 
 
 def main() -> None:
+    """The `opd-jax` command: click's usage errors (a bad option value, a missing argument) are one
+    `error: ...` line with exit status 2 here too, like every other user error."""
     try:
-        app()
+        status = app(standalone_mode=False)
+    except typer.Abort:
+        status = 130
+    except typer.TyperException as e:  # click's exceptions, as typer vendors them
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        if message:  # none after the help that a bare group prints
+            typer.echo(f"error: {message} (see: opd-jax {' '.join(_command_words())} --help)".replace("  ", " "), err=True)
+        status = getattr(e, "exit_code", USER_ERROR)
     finally:
         if _exit_at_once is not None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_exit_at_once)
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+def _command_words() -> list[str]:
+    """The command named on the command line (`train`, `k8s render`), for the help hint."""
+    words = []
+    group: Any = typer.main.get_command(app)
+    for arg in sys.argv[1:]:
+        if arg.startswith("-"):
+            continue
+        command = getattr(group, "commands", {}).get(arg)
+        if command is None:
+            break
+        words.append(arg)
+        group = command
+    return words
 
 
 if __name__ == "__main__":

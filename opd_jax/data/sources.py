@@ -20,6 +20,14 @@ class DataError(OpdJaxError, ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 
+def json_problem(error: json.JSONDecodeError) -> str:
+    """'<what> at column N: ...<the text there>...' for a one-line JSON document."""
+    line = error.doc.splitlines()[error.lineno - 1] if error.doc.splitlines() else ""
+    start = max(0, error.colno - 21)
+    shown = ("..." if start else "") + line[start:error.colno + 20] + ("..." if error.colno + 20 < len(line) else "")
+    return f"{error.msg} at column {error.colno}: {shown.strip()!r}"
+
+
 def _message_list(value: Any, where: str) -> tuple[dict[str, str], ...]:
     if not isinstance(value, list) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -41,7 +49,7 @@ def read_jsonl(path: str | Path, verifier: str | None = None) -> list[Example]:
         for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM (Windows editors) is no error
             except UnicodeDecodeError as e:
                 raise DataError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                 f"save the file as UTF-8") from None
@@ -50,7 +58,7 @@ def read_jsonl(path: str | Path, verifier: str | None = None) -> list[Example]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{where}: not valid JSON ({json_problem(e)})") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: each line must be a JSON object")
             if ("prompt" in record) == ("messages" in record):

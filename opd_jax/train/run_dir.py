@@ -46,8 +46,16 @@ def lock(run_dir: Path, command: str) -> Any:
 
 
 def _acquire(run_dir: Path) -> Any:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = (run_dir / LOCK).open("a+")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = (run_dir / LOCK).open("a+")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        why = "it is a file, not a directory" if run_dir.exists() and not run_dir.is_dir() else \
+            f"{e.strerror or e}{f' ({e.filename})' if e.filename and Path(e.filename) != run_dir else ''}"
+        raise RunDirError(f"cannot use {run_dir} as the run directory: {why}; choose another (logging.run_dir)") \
+            from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
