@@ -78,7 +78,7 @@ def _command(target: typer.Typer = app, **options):
     return register
 
 
-class DType(str, enum.Enum):
+class DType(enum.StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
 
@@ -291,11 +291,12 @@ def sweep(
     """Run every cell of a sweep with every seed (resuming what an earlier sweep left), then
     aggregate: sweep.json, sweep.md (means with confidence intervals, paired comparisons,
     collapse incidence) and curves.png."""
-    from opd_jax.sweep import Sweep, aggregate, run_sweep
+    from opd_jax.sweep import Sweep, run_sweep
+    from opd_jax.sweep import aggregate_only as aggregate_existing
 
     loaded = Sweep(sweep_file, out)
     if aggregate_only:
-        aggregate(loaded)
+        aggregate_existing(loaded)
     else:
         run_sweep(loaded, jobs, echo=typer.echo)
     typer.echo((loaded.out / "sweep.md").read_text())

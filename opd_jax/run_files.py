@@ -1,14 +1,78 @@
 """What a run directory's files say about its progress, read without starting anything (no JAX):
-its completed checkpoints and the status run.json records. The run loop writes them
-(opd_jax.train.run_dir); the shells that decide whether to start, resume or skip a run read them
-here (the sweep, which must not import the trainer, included)."""
+its completed checkpoints and the status run.json records; and the lock that keeps one process in
+a directory. The run loop writes them (opd_jax.train.run_dir); the shells that decide whether to
+start, resume or skip a run read them here, and lock their own directories with the same lock
+(the sweep, which must not import the trainer, included)."""
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
+import os
+import socket
 from pathlib import Path
+from typing import Any
+
+from opd_jax.errors import OpdJaxError
 
 MANIFEST = "run.json"
+LOCK = ".lock"
+
+
+class RunDirError(OpdJaxError, RuntimeError):
+    """A run directory that this command may not use (in use, another command's, finished, ...)."""
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def lock(run_dir: Path, command: str, key: str = "logging.run_dir") -> Any:
+    """An exclusive lock on the directory (created if missing), released when the returned file
+    is closed (or the process dies). A held lock raises RunDirError naming its holder."""
+    handle = acquire_lock(run_dir, key)
+    announce_holder(handle, command)
+    return handle
+
+
+def acquire_lock(run_dir: Path, key: str = "logging.run_dir") -> Any:
+    """The directory's lock (see `lock`); `key`: the setting that names the directory, for the messages."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = (run_dir / LOCK).open("a+")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        why = "it is a file, not a directory" if run_dir.exists() and not run_dir.is_dir() else \
+            f"{e.strerror or e}{f' ({e.filename})' if e.filename and Path(e.filename) != run_dir else ''}"
+        raise RunDirError(f"cannot use {run_dir} as the run directory: {why}; choose another ({key})") \
+            from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        handle.seek(0)
+        try:
+            holder = json.loads(handle.read() or "{}")
+        except json.JSONDecodeError:
+            holder = {}
+        handle.close()
+        who = (f"`opd-jax {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+               f"since {holder.get('since', '?')})")
+        raise RunDirError(f"{run_dir} is in use by {who}; wait for it to end or choose another {key}") from None
+    return handle
+
+
+def announce_holder(handle: Any, command: str) -> None:
+    """Say in the lock file who holds it (what a refused process reports)."""
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(), "since": now()}))
+    handle.flush()
+
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:

@@ -91,11 +91,18 @@ class SweepConfig(Section):
         names = [name for name, _ in self.cell_overrides()]
         if len(set(names)) != len(names):
             raise ValueError(f"two cells are named {next(n for n in names if names.count(n) > 1)!r}")
+        return self
+
+    def check_compare(self) -> None:
+        """Every cell `compare` names exists (a name as the grid writes it, `kind=[1, 2]`, is the
+        cell's name with its characters made safe). Asked once the cells resolve, so a bad grid
+        value is named as such, not as a missing cell."""
+        names = [name for name, _ in self.cell_overrides()]
+        self.compare = [(cell_name(a), cell_name(b)) for a, b in self.compare]
         for a, b in self.compare:
             for name in (a, b):
                 if name not in names:
                     raise ValueError(f"compare: no cell named {name!r} (cells: {', '.join(names)})")
-        return self
 
     @property
     def seed_key_list(self) -> list[str]:
@@ -120,8 +127,13 @@ class SweepConfig(Section):
                 overrides = dict(zip(keys, plain))
                 for _, extra in labelled:
                     overrides.update(extra)
-                cells.append((re.sub(r"[^\w.,=+-]", "_", name), overrides))
+                cells.append((cell_name(name), overrides))
         return cells + [(c.name, dict(c.overrides)) for c in self.cells]
+
+
+def cell_name(name: str) -> str:
+    """A cell's name as its run directories can hold it."""
+    return re.sub(r"[^\w.,=+-]", "_", name.replace(" ", ""))
 
 
 def _short(value: Any) -> str:

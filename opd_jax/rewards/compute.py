@@ -49,7 +49,10 @@ def compute_rewards(responses: Sequence[str], examples: Sequence[Example], rewar
             else:
                 value = VERIFIERS[_verifier(example)](text, example.answer)
             if not math.isfinite(value):
-                raise RewardError(f"reward of sample {i} (domain {example.domain!r}, prompt {example.uid}) is {value}")
+                source = f"reward function {_name(reward_fn)}" if reward_fn is not None else \
+                    f"the {_verifier(example)} verifier"
+                raise RewardError(f"reward of sample {i} (domain {example.domain!r}, prompt {example.uid}) is {value}, "
+                                  f"returned by {source}")
         except RewardError:
             if on_bad == "fail":
                 raise

@@ -2,6 +2,6 @@
 confidence intervals (`run_sweep`, `aggregate`; the `opd-jax sweep` command); `reduced` makes a
 small copy of a sweep file (fewer seeds and cells, shorter runs)."""
 
-from opd_jax.sweep.run import Sweep, SweepError, aggregate, reduced, run_sweep
+from opd_jax.sweep.run import Sweep, SweepError, aggregate, aggregate_only, reduced, run_sweep
 
-__all__ = ["Sweep", "SweepError", "aggregate", "reduced", "run_sweep"]
+__all__ = ["Sweep", "SweepError", "aggregate", "aggregate_only", "reduced", "run_sweep"]

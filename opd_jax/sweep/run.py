@@ -28,7 +28,7 @@ import yaml
 from opd_jax.config import ConfigError, MergeConfig, TrainConfig, load_config, to_plain
 from opd_jax.config.sweep import SweepConfig
 from opd_jax.errors import OpdJaxError
-from opd_jax.run_files import checkpoint_steps, run_status
+from opd_jax.run_files import checkpoint_steps, lock, run_status
 from opd_jax.sweep import stats
 from opd_jax.sweep.report import write_report
 
@@ -53,15 +53,26 @@ class Sweep:
         self.cells = self.config.cell_overrides()
         self.warm_starts: dict[tuple[str, int], Path] = {}  # (cell, seed) -> its shared warm start
         self.steps: dict[tuple[str, int], int] = {}  # (cell, seed) -> the steps its run trains
-        for name, overrides in self.cells:  # every cell must resolve before anything runs
+        # every cell must resolve before anything runs; a problem is named where it was written
+        self._resolve(path, f"base {self.base}", [])
+        self._resolve(path, "overrides", _dotted(self.config.overrides))
+        for name, overrides in self.cells:
             for seed in self.config.seed_list:
-                try:
-                    config = load_config(self.base, self.overrides(overrides, seed), schema=self.schema)
-                except ConfigError as e:
-                    raise SweepError(f"cell {name}: {e}") from None
+                config = self._resolve(path, f"cell {name}", self.overrides(overrides, seed))
                 self.steps[name, seed] = config.steps
                 if self.config.warm_start == "shared" and config.sft.steps > 0:
                     self.warm_starts[name, seed] = self.out / "_warm_start" / _warm_start_key(config)
+        try:
+            self.config.check_compare()
+        except ValueError as e:
+            raise SweepError(f"{path}: {e}") from None
+
+    def _resolve(self, path: Path, where: str, overrides: list[str]) -> Any:
+        try:
+            return load_config(self.base, overrides, schema=self.schema)
+        except ConfigError as e:
+            problem = str(e).removeprefix(f"invalid config {self.base}:").strip()
+            raise SweepError(f"{path}: {where}: {problem}") from None
 
     @property
     def schema(self) -> type[TrainConfig] | type[MergeConfig]:
@@ -194,11 +205,38 @@ def _wall_seconds(run_dir: Path) -> tuple[float, float]:
         return math.nan, math.nan
 
 
+@contextlib.contextmanager
+def claimed(sweep: Sweep) -> Iterator[None]:
+    """The sweep's directory locked as a run's is (`<out>/.lock`): a second `opd-jax sweep` on the
+    same directory is refused, naming the first, instead of racing it for the same runs."""
+    handle = lock(sweep.out, "sweep", key="--out (or the sweep's out)")
+    try:
+        yield
+    finally:
+        handle.close()
+
+
+def aggregate_only(sweep: Sweep) -> dict[str, Any]:
+    """`opd-jax sweep --aggregate-only`: the aggregate of the runs already in the sweep's
+    directory; SweepError where there is none (nothing is created)."""
+    if not any(sweep.finished(cell, seed) for cell, _ in sweep.cells for seed in sweep.config.seed_list):
+        where = "does not exist" if not sweep.out.is_dir() else "holds no finished run of this sweep"
+        raise SweepError(f"--aggregate-only: {sweep.out} {where}: nothing to aggregate (run the sweep first)")
+    with claimed(sweep):
+        return aggregate(sweep)
+
+
 def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
     """Run what is not finished, `jobs` at a time, then aggregate (`aggregate`); SweepError
-    naming the runs that failed, after the aggregate of the others is written."""
+    naming the runs that failed, after the aggregate of the others is written. The sweep's
+    directory is locked meanwhile (`claimed`)."""
     if jobs < 1:
         raise SweepError(f"--jobs must be >= 1, got {jobs}")
+    with claimed(sweep):
+        return _run_sweep(sweep, jobs, echo)
+
+
+def _run_sweep(sweep: Sweep, jobs: int, echo) -> dict[str, Any]:
     todo = [(cell, overrides, seed, command) for cell, overrides in sweep.cells for seed in sweep.config.seed_list
             if (command := sweep.command(cell, overrides, seed)) is not None]
     total = len(sweep.cells) * len(sweep.config.seed_list)

@@ -2,14 +2,13 @@
 
 
 from opd_jax.errors import OpdJaxError
+from opd_jax.run_files import RunDirError
+
+__all__ = ["EvaluationStopped", "Interrupted", "RunDirError", "RunError"]
 
 
 class RunError(OpdJaxError, RuntimeError):
     """A run that must stop; the message says why."""
-
-
-class RunDirError(RunError):
-    """A run directory that this command may not use (in use, another command's, finished, ...)."""
 
 
 class Interrupted(RunError):

@@ -13,11 +13,11 @@ from flax import nnx
 from opd_jax.config import DataSection, RolloutSection
 from opd_jax.data import Example, eval_prompts
 from opd_jax.models import Decoder, Tokenizer
-from opd_jax.rewards import RewardError, RewardFn, load_reward_fn
+from opd_jax.rewards import RewardFn, load_reward_fn
 from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.train.batching import rollout_rewards
 from opd_jax.train.build import EngineNumerics, encode_prompt, engine_model, stop_ids
-from opd_jax.train.errors import EvaluationStopped
+from opd_jax.train.errors import EvaluationStopped, RunError
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.records import Failure, Request, Rollout, SamplingParams
@@ -40,7 +40,7 @@ def evaluate(engine: EngineThread, tokenizer: Tokenizer, held_out: dict[str, Seq
         completions = engine.generate([Request(encode(e), params, {"domain": domain}) for e in examples])
         failed = [c for c in completions if isinstance(c, Failure)]
         if failed:
-            raise RewardError(f"{len(failed)} held-out {domain} requests failed; first: {failed[0].error}")
+            raise RunError(f"evaluation: {len(failed)} held-out {domain} requests failed; first: {failed[0].error}")
         rewards = rollout_rewards(completions, examples, tokenizer, reward_fn, on_bad=on_bad)
         good = rewards[~np.isnan(rewards)]
         out[f"eval/{domain}/accuracy"] = float(good.mean()) if good.size else float("nan")

@@ -185,7 +185,7 @@ class RolloutSession:
                            max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=self.stops,
                            reward_fn=self.reward_fn, on_bad=self.data.on_bad_reward, stop=stop)
         except RewardError as e:
-            raise RunError(f"evaluation at step {at_step}: {e}") from None
+            raise RunError(f"evaluation at step {at_step}: {e} (data.on_bad_reward: skip drops such samples)") from None
         if self.episodes is not None:
             out.update(self.episodes.evaluate(self.held_out_episodes, self.stops, stop=stop))
             accuracies = [v for k, v in out.items() if k.endswith("/accuracy") and k != "eval/accuracy"]

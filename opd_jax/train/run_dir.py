@@ -14,9 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
-import fcntl
 import json
 import os
 import shutil
@@ -26,59 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from opd_jax.run_files import MANIFEST, checkpoint_steps
-from opd_jax.train.errors import RunDirError
+from opd_jax.run_files import (  # noqa: F401 (lock, checkpoint_steps: re-exported)
+    MANIFEST,
+    RunDirError,
+    acquire_lock,
+    announce_holder,
+    checkpoint_steps,
+    lock,
+    now,
+)
 
-LOCK = ".lock"
 HISTORY = "config_history"
-
-
-def _now() -> str:
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def lock(run_dir: Path, command: str) -> Any:
-    """An exclusive lock on the directory (created if missing), released when the returned file
-    is closed (or the process dies). A held lock raises RunDirError naming its holder."""
-    handle = _acquire(run_dir)
-    _announce(handle, command)
-    return handle
-
-
-def _acquire(run_dir: Path) -> Any:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        handle = (run_dir / LOCK).open("a+")
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise
-        why = "it is a file, not a directory" if run_dir.exists() and not run_dir.is_dir() else \
-            f"{e.strerror or e}{f' ({e.filename})' if e.filename and Path(e.filename) != run_dir else ''}"
-        raise RunDirError(f"cannot use {run_dir} as the run directory: {why}; choose another (logging.run_dir)") \
-            from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
-        handle.seek(0)
-        try:
-            holder = json.loads(handle.read() or "{}")
-        except json.JSONDecodeError:
-            holder = {}
-        handle.close()
-        who = (f"`opd-jax {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-               f"since {holder.get('since', '?')})")
-        raise RunDirError(f"{run_dir} is in use by {who}; wait for it to end or choose another logging.run_dir") from None
-    return handle
-
-
-def _announce(handle: Any, command: str) -> None:
-    """Say in the lock file who holds it (what a refused process reports)."""
-    handle.seek(0)
-    handle.truncate()
-    handle.write(json.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(), "since": _now()}))
-    handle.flush()
 
 
 class RunDirectory:
@@ -98,7 +53,7 @@ class RunDirectory:
         checks, still before anything is written), then record the attempt in run.json."""
         if resume and not self.path.is_dir():
             raise RunDirError(f"{self.path} does not exist: nothing to resume (check logging.run_dir)")
-        self._lock = _acquire(self.path)
+        self._lock = acquire_lock(self.path)
         try:
             self.manifest = self._read_manifest()
             self._check(resume)
@@ -107,12 +62,12 @@ class RunDirectory:
         except BaseException:
             self._release()
             raise
-        _announce(self._lock, self.command)
+        announce_holder(self._lock, self.command)
         attempts = self.manifest.setdefault("attempts", [])
         if not resume and attempts:  # a same-command run that stopped before its first checkpoint
             self.manifest["attempts"] = attempts = []
         self.manifest.update(command=self.command, status="running")
-        attempts.append({"started": _now(), "pid": os.getpid(), "host": socket.gethostname(),
+        attempts.append({"started": now(), "pid": os.getpid(), "host": socket.gethostname(),
                          "argv": sys.argv, "resumed_from": checkpoint_steps(self.path)[-1] if resume else None})
         self._write_manifest()
         return self
@@ -178,7 +133,7 @@ class RunDirectory:
         if self._lock is None:
             return
         self.manifest["status"] = status
-        self.manifest["attempts"][-1].update(ended=_now(), status=status, **details)
+        self.manifest["attempts"][-1].update(ended=now(), status=status, **details)
         with contextlib.suppress(OSError):  # a full disk must not hide the error that ended the run
             self._write_manifest()
         self._release()
