@@ -16,19 +16,31 @@ from opd_jax.train.console import progress, restart_clock
 from opd_jax.train.metrics import run_summary, smooth
 
 
-def test_the_eta_ignores_the_compiling_step():
+def test_the_eta_ignores_the_compiling_step_and_the_bar_ends_its_line():
+    """No frame ever shows the compile's rate as an ETA; the rate counts from after it; and the bar,
+    closed after steps faster than its refresh interval, shows its last step and ends its line (so
+    what is printed next starts a line of its own)."""
+    import io
+    out = io.StringIO()
     clock = [0.0]
     bar = progress(10, "train", enabled=True)
+    bar.fp = out
+    bar.sp = bar.status_printer(out)
     bar._time = lambda: clock[0]  # tqdm reads its clock through this attribute
-    bar.start_t = 0.0
+    bar.start_t = bar.last_print_t = 0.0
     clock[0] = 60.0  # the first step compiles for a minute
-    bar.update(1)
-    restart_clock(bar)
+    restart_clock(bar, advance=1)
+    frames = [f for f in out.getvalue().split("\r") if f.strip()]
+    assert "1/10" in frames[-1] and "<?" in frames[-1], frames  # no ETA yet, not the 9 minutes of the compile
     clock[0] = 62.0  # then 2 s per step
     bar.update(1)
-    meter = bar.format_meter(**bar.format_dict)
+    assert "00:16" in bar.format_meter(**bar.format_dict)  # 8 steps left at 2 s each
+    for _ in range(8):  # within tqdm's refresh interval: not drawn as they come
+        clock[0] += 0.01
+        bar.update(1)
     bar.close()
-    assert "00:16" in meter  # 8 steps left at 2 s each, not at the 31 s average with the compile
+    text = out.getvalue()
+    assert text.endswith("\n") and "10/10" in text.split("\r")[-1], text[-200:]
 
 
 def test_smoothing_is_the_debiased_exponential_average():

@@ -23,11 +23,16 @@ def progress(total: int, description: str, *, initial: int = 0, enabled: bool = 
                      disable=not enabled or jax.process_index() != 0, file=sys.stderr)
 
 
-def restart_clock(bar: tqdm.tqdm) -> None:
-    """Count the rate (and so the ETA) from now on: called after the step that compiled."""
+def restart_clock(bar: tqdm.tqdm, advance: int = 0) -> None:
+    """Count `advance` more steps done (the one that compiled), then the rate (and so the ETA)
+    from now on: the frame shown has no rate, so never the compile's ETA."""
+    bar.n += advance
     if not bar.disable:
         bar.initial = bar.n
         bar.start_t = bar._time()  # tqdm's own clock, which it reads for the rate
+        # what tqdm's update() would note: close() draws its last frame (and ends the line) only
+        # for a bar printed since start_t
+        bar.last_print_t, bar.last_print_n = bar.start_t, bar.n
         bar.refresh()
 
 

@@ -52,8 +52,7 @@ class MetricsLog:
         self.shown.update(k for k, v in _BAR_KEYS.items() if self.last.get(v))
         self.bar.set_postfix({k: f"{self.last[v]:.3g}" for k, v in _BAR_KEYS.items() if k in self.shown}, refresh=False)
         if advance and self._clock_from_next:  # no frame with the compile's rate: the ETA shows "?" until the next
-            self.bar.n += 1
-            restart_clock(self.bar)
+            restart_clock(self.bar, advance=1)
             self._clock_from_next = False
         elif advance:
             self.bar.update(1)

@@ -97,9 +97,10 @@ def supervised_steps(policy: Decoder, batches: Callable[[int], RolloutBatch], sf
             row = {"step": i + 1, **{k: float(v) for k, v in metrics.items()}}
             log.write(json.dumps(row) + "\n")
             bar.set_postfix(loss=f"{row['sft/loss']:.3g}", refresh=False)
-            bar.update(1)
-            if i == 0:
-                restart_clock(bar)
+            if i == 0:  # the compile's rate is never shown as an ETA
+                restart_clock(bar, advance=1)
+            else:
+                bar.update(1)
             if i + 1 < sft.steps:
                 signals.stop_if_requested(f"the {what} (SFT step {i + 1} of {sft.steps})", restart_hint)
     return state.model()
