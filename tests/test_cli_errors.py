@@ -1,7 +1,10 @@
 """The CLI speaks to people: each user error is one `error: ...` line naming the problem, exit
 status 2 and no traceback; --debug shows the traceback; a real bug keeps its traceback."""
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from flax import nnx
@@ -10,7 +13,6 @@ from typer.testing import CliRunner
 
 import opd_jax.train
 from opd_jax.cli import app
-from opd_jax.errors import OpdJaxError
 from opd_jax.models import Decoder, ModelConfig, save_model
 from opd_jax.models.char_tokenizer import char_tokenizer
 
@@ -96,8 +98,10 @@ def test_engine_that_will_not_start(tmp_path):
 
 
 def test_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch):
-    result = run_cli("--debug", "train", "rollout.temperature=hot")
-    assert result.exit_code != 2 and isinstance(result.exception, OpdJaxError)
+    result = CliRunner().invoke(app, ["--debug", "train", "rollout.temperature=hot"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 2, result.output  # a user error stays one, with its traceback shown too
+    assert result.output.startswith("Traceback") and "ConfigError" in result.output
+    assert result.output.index("\nerror: invalid config") > result.output.index("ConfigError")
 
     def bug(*args, **kwargs):
         raise KeyError("a bug")
@@ -116,3 +120,47 @@ def test_config_explain_and_show(key, needle, tmp_path):
     assert_user_error(run_cli("config", "explain", "algorithm.ppo.surogate"), "did you mean algorithm.ppo.surrogate")
     shown = run_cli("config", "show", "configs/quickstart.yaml", "rollout.samples_per_prompt=8")
     assert shown.exit_code == 0 and "samples_per_prompt: 8" in shown.output and "eps_high: 0.28" in shown.output
+
+
+def test_unusable_run_directories_are_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    for run_dir, words in [(a_file, "it is a file, not a directory"), (a_file / "run", "Not a directory"),
+                           ("/proc/opd_jax_cannot/run", "No such file or directory")]:
+        assert_user_error(run_cli("train", *TINY, f"logging.run_dir={run_dir}"), f"cannot use {run_dir} as the run "
+                          f"directory: {words}", "logging.run_dir")
+    assert a_file.read_text() == "mine"
+
+
+def test_a_command_that_trains_needs_a_config():
+    for command in ("train", "sft"):
+        result = run_cli(command)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert f"give a config file (e.g. opd-jax {command} configs/quickstart.yaml)" in result.output, result.output
+
+
+def installed_command(*args, **kwargs):
+    """The installed command as a user runs it (its main(): click's usage errors as one line too)."""
+    return subprocess.run([sys.executable, "-m", "opd_jax.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "1000"}, **kwargs)
+
+
+def test_usage_errors_of_the_command_are_one_line(tmp_path):
+    latin1 = tmp_path / "prompts.jsonl"
+    latin1.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    cases = [
+        (["generate", "smollm2-135m-instruct", "-p", "hi", "--dtype", "float16"],
+         "error: Invalid value for '--dtype'", "'float16' is not one of 'float32', 'bfloat16'"),
+        (["generate", "smollm2-135m-instruct", "--input", latin1],
+         "error: Invalid value for --input: line 1: not UTF-8 text (byte 0xe9 at column 16)", "opd-jax generate --help"),
+        (["k8s", "render", "configs/quickstart.yaml", "--image", "i", "--queue", "q", "--out", tmp_path / "no" / "k.yaml"],
+         f"error: --out {tmp_path / 'no' / 'k.yaml'}: its directory {tmp_path / 'no'} does not exist", ""),
+        (["train"], "error: Invalid value for CONFIG: give a config file", "opd-jax train --help"),
+        (["no-such-command"], "error: No such command 'no-such-command'", "opd-jax --help"),
+    ]
+    for args, *needles in cases:
+        result = installed_command(*args, cwd=Path(__file__).parents[1])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and not result.stdout, (args, result.stderr)
+        assert all(n in lines[0] for n in needles), (args, lines[0])
+    assert not (tmp_path / "no").exists()

@@ -101,7 +101,9 @@ def test_jsonl_reads_prompts_messages_and_names_bad_lines(tmp_path):
     assert [(e.prompt, e.answer, e.domain) for e in examples] == [("1+1=", "2", "math"), (None, "4", "arith")]
     assert examples[1].messages == ({"role": "user", "content": "2+2?"},) and examples[1].uid == "math.jsonl:3"
     cases = {
-        '{"prompt": "x", "answer": 1}\n{"prompt": "y", answer: 2}\n': r"bad.jsonl:2: not valid JSON",
+        '{"prompt": "x", "answer": 1}\n{"prompt": "y", answer: 2}\n':  # the text where the parser stopped
+            r"""bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at column 17: """
+            r"""'\{"prompt": "y", answer: 2\}'\)""",
         '{"prompt": "x"}\n': r'bad.jsonl:1: missing "answer"',
         '{"prompt": "x", "messages": [], "answer": 1}\n': r'bad.jsonl:1: needs exactly one of "prompt" and "messages"',
         '[1, 2]\n': r"bad.jsonl:1: each line must be a JSON object",
@@ -116,6 +118,9 @@ def test_jsonl_reads_prompts_messages_and_names_bad_lines(tmp_path):
             read_jsonl(bad)
     with pytest.raises(DataError, match="no such prompt file"):
         read_jsonl(tmp_path / "missing.jsonl")
+    bom = tmp_path / "bom.jsonl"  # as Windows editors save UTF-8
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": 2}\n')
+    assert [(e.prompt, e.answer) for e in read_jsonl(bom)] == [("1+1=", "2")]
 
 
 def config_with(tmp_path):

@@ -58,17 +58,21 @@ def hashes(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def state_of(run_dir: Path, like_dir: Path):
-    """The final checkpoint's state and metadata, restored into the shapes of like_dir's config."""
+def like_state(run_dir: Path):
+    """A fresh state of the run's config: the tree a checkpoint is restored into."""
     from opd_jax.core import PPOState, make_optimizer
     from opd_jax.train import build_critic, build_model
-    config = load_config(like_dir / "config.yaml")
+    config = load_config(run_dir / "config.yaml")
     policy, _ = build_model(config.model)
-    like = PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
+    return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
                            make_optimizer(config.algorithm.critic_optimizer))
+
+
+def state_of(run_dir: Path, like_dir: Path):
+    """The final checkpoint's state and metadata, restored into the shapes of like_dir's config."""
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=3)
     try:
-        return checkpoints.restore(checkpoints.latest_step(), like)
+        return checkpoints.restore(checkpoints.latest_step(), like_state(like_dir))
     finally:
         checkpoints.close()
 
@@ -162,6 +166,7 @@ def test_resume_with_a_changed_config_keeps_the_config_history(straight, tmp_pat
     lines = [line for line in forced.output.splitlines() if line.startswith("error: ")]
     assert forced.exit_code == 2 and "Traceback" not in forced.output and len(lines) == 1, forced.output
     assert "checkpoint step 8 does not fit this config" in lines[0] and "in the checkpoint" in lines[0], lines[0]
+    assert "the config changed model.fresh.hidden_size 64 -> 32 since it was saved" in lines[0], lines[0]
     assert checkpoint_steps(run_dir) == [4, 6, 8] and (run_dir / "config.yaml").read_bytes() == \
         (run_dir / "config_history" / "2.yaml").read_bytes()
     saved = lambda files: {k: v for k, v in files.items() if "checkpoints/" in k and "orbax.log" not in k}  # noqa: E731
@@ -214,19 +219,87 @@ def test_sigint_during_the_warm_start_stops_and_the_run_can_start_over(tmp_path)
     RunDirectory(run_dir, "train").open(resume=False).close("failed")  # a new attempt may start here
 
 
-def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:100])
+
+
+def _zero(file: Path) -> None:
+    file.write_bytes(bytes(file.stat().st_size))
+
+
+def _garbage_everywhere(file: Path) -> None:
+    for each in file.parents[2].rglob("*"):  # every file of the checkpoint's state
+        if each.is_file():
+            each.write_bytes(b"\0garbage")
+
+
+def test_a_partly_corrupted_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(straight, tmp_path):
+    """One array file of the latest checkpoint truncated, zeroed or missing (or all of them garbage):
+    its recorded checksums name the file, it is moved aside (kept), the one before restores; the
+    resumed run (truncation, through the CLI) ends as the uninterrupted one, bit for bit."""
+    killed = tmp_path / "killed"
+    train(load_config(None, [*RUN, f"logging.run_dir={killed}"]), stop_after=5)  # "killed": checkpoints 2, 4
+    faults = {"truncated": (_truncate, "is 100 bytes"), "zeroed": (_zero, "differs from what was saved (SHA-256)"),
+              "missing": (Path.unlink, "is missing"), "garbage": (_garbage_everywhere, "bytes, ")}
+    for name, (fault, words) in faults.items():
+        run_dir = tmp_path / name
+        shutil.copytree(killed, run_dir)
+        arrays = sorted((run_dir / "checkpoints" / "4" / "state").glob("ocdbt.process_0/d/*"), key=lambda f: f.stat().st_size)
+        fault(arrays[-1])  # the largest array file
+        if name == "truncated":
+            result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume")
+            assert result.exit_code == 0, result.output
+            notes = [line for line in result.output.splitlines() if "is unreadable" in line]
+            assert "Traceback" not in result.output and "tensorstore" not in result.output.lower()
+            assert "from step 2" in result.output
+            assert_same_run(straight, run_dir)
+        else:
+            notes = []
+            checkpoints = Checkpoints(run_dir / "checkpoints", keep=3, say=notes.append)
+            try:
+                step, _, meta = checkpoints.restore_latest(like_state(run_dir))
+            finally:
+                checkpoints.close()
+            assert step == 2 and "groups_drawn" in meta and "tree" not in meta
+        assert len(notes) == 1 and notes[0].startswith("checkpoint step 4 is unreadable (state/"), (name, notes)
+        assert words in notes[0], (name, notes[0])
+        assert (run_dir / "checkpoints_unreadable" / "4" / "state").is_dir()  # kept, not deleted
+        assert checkpoint_steps(run_dir)[0] == 2
+
+
+def test_ctrl_c_twice_during_a_save_stops_at_once_cleanly_with_a_hint_that_works(tmp_path):
     run_dir = tmp_path / "run"
-    train(load_config(None, [*RUN, f"logging.run_dir={run_dir}"]), stop_after=5)  # "killed": checkpoints 2, 4
-    for file in (run_dir / "checkpoints" / "4" / "state").rglob("*"):
-        if file.is_file():
-            file.write_bytes(b"\0garbage")
-    result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume")
-    assert result.exit_code == 0, result.output
-    notes = [line for line in result.output.splitlines() if "is unreadable" in line]
-    assert len(notes) == 1 and notes[0].startswith("checkpoint step 4 is unreadable"), result.output
-    assert "resuming" in result.output and "from step 2" in result.output
-    assert "Traceback" not in result.output and "tensorstore" not in result.output.lower()
-    assert (run_dir / "checkpoints_unreadable" / "4" / "state").is_dir()  # kept, not deleted
+    args = [*TINY, "steps=6", "checkpoint.every=2", "sft.steps=0", f"logging.run_dir={run_dir}"]
+    stopped = subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_at.py"), "save", "train", *args],
+                             capture_output=True, text=True, env={**os.environ, "COLUMNS": "1000"}, timeout=1800)
+    assert stopped.returncode == 130, stopped.stderr
+    lines = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stopped.stderr and "orbax" not in stopped.stderr.lower(), stopped.stderr
+    assert lines[-1].startswith("stopped: SIGINT twice: stopped at once; the latest checkpoint is step 2; continue "
+                                "with: opd-jax train --resume "), stopped.stderr
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+    assert checkpoint_steps(run_dir) == [2]
+    resumed = cli(*shlex.split(lines[-1].split("continue with: ")[1])[1:])  # the command it printed, as printed
+    assert resumed.exit_code == 0, resumed.output
+    assert checkpoint_steps(run_dir) == [2, 4, 6]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # the partial save is gone
+
+
+def test_a_stop_during_the_held_out_evaluation_saves_and_evaluates_on_resume(straight, tmp_path):
+    """SIGTERM as the evaluation after step 3 starts: it stops there (no domain evaluated), saves
+    step 3 with its metrics row kept in the checkpoint; the resume evaluates step 3 first and the
+    run ends as the uninterrupted one, metrics rows included."""
+    run_dir = tmp_path / "run"
+    stopped = subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_at.py"), "eval", "train", *RUN,
+                              f"logging.run_dir={run_dir}"], capture_output=True, text=True,
+                             env={**os.environ, "COLUMNS": "1000"}, timeout=1800)
+    assert stopped.returncode == 128 + signal.SIGTERM and "Traceback" not in stopped.stderr, stopped.stderr
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGTERM during the held-out evaluation after step 3 of 6: checkpoint saved "
+                           "(step 3; its evaluation runs on resume)"), last
+    assert checkpoint_steps(run_dir) == [2, 3] and [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    resumed = cli(*shlex.split(last.split("continue with: ")[1])[1:])
+    assert resumed.exit_code == 0, resumed.output
     assert_same_run(straight, run_dir)
 
 
@@ -261,6 +334,10 @@ def test_bad_inputs_are_named_before_anything_is_built(tmp_path):
         ([f"data.train=[{{jsonl: {binary}}}]"], [f"{binary}:2: not UTF-8 text (byte 0xe9 at column 16)"]),
         ([f"data.train=[{{jsonl: {long}}}]"], [f"{long}:2: the prompt is 600 tokens",
                                               "rollout.max_new_tokens 4", "context of 512"]),
+        (["rollout.max_new_tokens=100000"], ["rollout.max_new_tokens is 100000", "context of 512"]),
+        # a built-in domain's prompts too: its held-out set and a draw of its training stream
+        (["rollout.max_new_tokens=490", "data.train=[{builtin: reverse, params: {min_len: 30, max_len: 40}}]"],
+         ["data.train[0] (reverse): prompt reverse/", "with rollout.max_new_tokens 490", "context of 512"]),
     ]
     for extra, needles in cases:
         one_line_error(cli("train", *RUN, f"logging.run_dir={run_dir}", *extra), *needles)

@@ -106,12 +106,40 @@ def test_collapse_is_found_with_its_first_step_per_kind():
     ({"axes": {"engine": {}}, "seeds": 2}, "axis engine has no labels"),
     ({"axes": {"engine": {"bf16": {"rollout.dtyp": "bfloat16"}}}, "seeds": 2},
      "(?s)cell engine=bf16: .*did you mean rollout.dtype"),
+    # the sweep file's own overrides are named as such, not blamed on the base config
+    ({"overrides": {"stepz": 3}, "grid": {"steps": [2]}, "seeds": 2},
+     r"sweep.yaml: overrides: override 'stepz=3': stepz: unknown key \(did you mean steps\?\)"),
+    # a bad grid value is named, not hidden behind the comparison that names its cell
+    ({"grid": {"algorithm.ppo.surrogate.mismatch.kind": ["icepop", "tiss"]}, "seeds": 2,
+      "compare": [["kind=icepop", "kind=tis"]]}, r"cell kind=tiss: .*\(got 'tiss'\)"),
 ])
 def test_a_bad_sweep_is_refused_before_any_run(tmp_path, spec, message):
     path = write_sweep(tmp_path, **spec)
     with pytest.raises((SweepError, ConfigError), match=message):
         Sweep(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_one_sweep_at_a_time_in_a_directory_and_nothing_to_aggregate_is_said(tmp_path):
+    """A second `opd-jax sweep` into the directory of a running one is refused naming it (it would
+    race the first for the same runs); --aggregate-only on a directory without runs creates nothing."""
+    from typer.testing import CliRunner
+
+    from opd_jax.cli import app
+    from opd_jax.run_files import lock
+    path = write_sweep(tmp_path, grid={"steps": [2]}, seeds=2)
+    cli = lambda *a: CliRunner().invoke(app, ["sweep", str(path), *map(str, a)], env={"COLUMNS": "1000"})  # noqa: E731
+    out = tmp_path / "out"
+    holder = lock(out, "sweep")  # the first sweep (flock: per open file, so this process too)
+    try:
+        result = cli("--out", out)
+        assert result.exit_code == 2 and f"{out} is in use by `opd-jax sweep` (pid " in result.output, result.output
+        assert not (out / "steps=2").exists()
+    finally:
+        holder.close()
+    result = cli("--out", tmp_path / "missing", "--aggregate-only")
+    assert result.exit_code == 2 and "does not exist: nothing to aggregate" in result.output, result.output
+    assert not (tmp_path / "missing").exists()
 
 
 SMALL = ["steps=3", "sft.steps=0", "checkpoint.every=1", "logging.eval_every=3", "data.eval_prompts_per_domain=8",

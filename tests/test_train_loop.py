@@ -94,7 +94,9 @@ def test_bad_data_and_nan_rewards_stop_the_run(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         train(config(tmp_path / "a", "steps=2", f"data.train=[{{jsonl: {bad}}}]"))
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
-    with pytest.raises(RunError, match=r"evaluation at step 0: reward of sample 0 \(domain 'max', prompt max/eval/0\)"):
+    with pytest.raises(RunError, match=r"evaluation at step 0: reward of sample 0 \(domain 'max', prompt max/eval/0\) "
+                                       r"is nan, returned by reward function nan_reward:reward "
+                                       r"\(data.on_bad_reward: skip drops such samples\)"):
         train(config(tmp_path / "b", "steps=2", "data.reward_fn=nan_reward:reward"))
     # the training rollouts are checked the same way (no evaluation before them here)
     with pytest.raises(RunError, match=r"step 1: reward of sample 0 \(domain 'max', prompt max/train/"):

@@ -93,16 +93,17 @@ class SweepConfig(Section):
             raise ValueError(f"two cells are named {next(n for n in names if names.count(n) > 1)!r}")
         return self
 
-    def check_compare(self) -> None:
-        """Every cell `compare` names exists (a name as the grid writes it, `kind=[1, 2]`, is the
-        cell's name with its characters made safe). Asked once the cells resolve, so a bad grid
-        value is named as such, not as a missing cell."""
+    def checked_compare(self) -> list[tuple[str, str]]:
+        """The pairs of `compare` as cell names (a name as the grid writes it, `kind=[1, 2]`, is the
+        cell's name with its characters made safe); ValueError for a cell that does not exist.
+        Asked once the cells resolve, so a bad grid value is named as such, not as a missing cell."""
         names = [name for name, _ in self.cell_overrides()]
-        self.compare = [(cell_name(a), cell_name(b)) for a, b in self.compare]
-        for a, b in self.compare:
+        pairs = [(cell_name(a), cell_name(b)) for a, b in self.compare]
+        for a, b in pairs:
             for name in (a, b):
                 if name not in names:
                     raise ValueError(f"compare: no cell named {name!r} (cells: {', '.join(names)})")
+        return pairs
 
     @property
     def seed_key_list(self) -> list[str]:

@@ -63,7 +63,7 @@ class Sweep:
                 if self.config.warm_start == "shared" and config.sft.steps > 0:
                     self.warm_starts[name, seed] = self.out / "_warm_start" / _warm_start_key(config)
         try:
-            self.config.check_compare()
+            self.config = self.config.model_copy(update={"compare": self.config.checked_compare()})
         except ValueError as e:
             raise SweepError(f"{path}: {e}") from None
 
