@@ -18,7 +18,7 @@ def run_notebook(name, out, monkeypatch, devices=1):
     # the kernel is a fresh process: give it the same simulated devices as the suite
     monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
     notebook = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     return json.loads((out / "summary.json").read_text())
 
 

@@ -165,7 +165,7 @@ def _two_processes(tmp_path, jobset: bool) -> Any:
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=300)[0])
+            logs.append(p.communicate(timeout=1800)[0])  # wide room: a loaded machine
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()

@@ -180,13 +180,13 @@ def _signal_run(run_dir: Path, sig: int, wait_for: str, *extra: str) -> subproce
     env = {**os.environ, "COLUMNS": "1000"}
     process = subprocess.Popen([sys.executable, "-m", "opd_jax.cli", "train", *RUN, f"logging.run_dir={run_dir}",
                                 *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 1500
     target = run_dir / wait_for
     while not (target.exists() and target.read_text().strip()):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.05)
     process.send_signal(sig)
-    out, err = process.communicate(timeout=300)
+    out, err = process.communicate(timeout=1500)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
