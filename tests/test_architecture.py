@@ -52,3 +52,8 @@ def test_only_parallel_names_mesh_axes():
 
 def test_sweeps_drive_training_only_through_its_command():
     assert not offenders("opd_jax/sweep", lambda m: m.startswith(("opd_jax.train", "opd_jax.core", "opd_jax.models")))
+
+
+def test_run_files_import_only_the_error_root():
+    modules = imports("opd_jax")["opd_jax/run_files.py"]
+    assert {m for m in modules if m.startswith(("opd_jax", "jax", "flax", "orbax"))} == {"opd_jax.errors"}, modules
