@@ -21,7 +21,11 @@ MANIFEST = "run.json"
 LOCK = ".lock"
 
 
-class RunDirError(OpdJaxError, RuntimeError):
+class RunError(OpdJaxError, RuntimeError):
+    """A run that must stop; the message says why."""
+
+
+class RunDirError(RunError):
     """A run directory that this command may not use (in use, another command's, finished, ...)."""
 
 

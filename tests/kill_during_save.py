@@ -1,5 +1,5 @@
 """Runs the loop test's tiny config and SIGKILLs itself in the middle of saving the step-4
-checkpoint (after orbax has started writing it, before the save is confirmed).
+checkpoint (orbax has written the step's files under their temporary name; it has not committed them).
 
 usage: python kill_during_save.py RUN_DIR
 """
@@ -25,14 +25,25 @@ from opd_jax.config import load_config  # noqa: E402
 from opd_jax.train import train  # noqa: E402
 
 run_dir = Path(sys.argv[1])
-finish = ocp.CheckpointManager.wait_until_finished
+handler = ocp.CompositeCheckpointHandler
+write = {name: getattr(handler, name) for name in ("save", "async_save")}
 
 
-def wait_or_die(self):
-    if any(p.name.startswith("4") for p in (run_dir / "checkpoints").iterdir()):
+def die_in_step_4(directory) -> None:
+    if "4.orbax-checkpoint-tmp" in str(directory):
         os.kill(os.getpid(), signal.SIGKILL)
-    return finish(self)
 
 
-ocp.CheckpointManager.wait_until_finished = wait_or_die
+async def async_save(self, directory, *args, **kwargs):
+    out = await write["async_save"](self, directory, *args, **kwargs)
+    die_in_step_4(directory)
+    return out
+
+
+def save(self, directory, *args, **kwargs):
+    write["save"](self, directory, *args, **kwargs)
+    die_in_step_4(directory)
+
+
+handler.save, handler.async_save = save, async_save
 train(load_config(None, [*TINY, f"logging.run_dir={run_dir}", *RESUME_ARGS]))

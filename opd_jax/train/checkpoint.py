@@ -149,6 +149,7 @@ class Checkpoints:
         self._propagate, _ABSL.propagate = _ABSL.propagate, False
         self.manager = self._manager(keep)
         self.keep = keep
+        self._abandoned = False
 
     def _manager(self, keep: int) -> ocp.CheckpointManager:
         # saved synchronously: a second Ctrl-C during a save then stops it here, in this thread,
@@ -173,6 +174,7 @@ class Checkpoints:
                                   json.dumps(_file_hashes(self.directory / str(step))))
         except KeyboardInterrupt:
             self._remove_partial()
+            self._abandoned = True  # orbax's writer threads may still run: their complaints go to orbax.log
             raise
         except Exception as e:
             removed = self._remove_partial()
@@ -249,6 +251,8 @@ class Checkpoints:
         self.say(f"checkpoint step {step} is unreadable ({problem}); moved to {aside}, trying the previous one")
 
     def close(self) -> None:
+        if self._abandoned:  # a save cut by a second Ctrl-C: the process ends at once, its log stays in orbax.log
+            return
         self.manager.close()
         _ABSL.removeHandler(self._log)
         _ABSL.propagate = self._propagate

@@ -1,14 +1,9 @@
 """The errors that stop a run (training, experts, merge) with a message saying why."""
 
 
-from opd_jax.errors import OpdJaxError
-from opd_jax.run_files import RunDirError
+from opd_jax.run_files import RunDirError, RunError  # defined where the sweep, which never imports train, reads them
 
 __all__ = ["EvaluationStopped", "Interrupted", "RunDirError", "RunError"]
-
-
-class RunError(OpdJaxError, RuntimeError):
-    """A run that must stop; the message says why."""
 
 
 class Interrupted(RunError):

@@ -298,8 +298,13 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
         with _timed(phases, "evaluation"):
             try:
                 log.log(0, session.evaluate(0, stop=asked_to_stop), advance=False)
-            except EvaluationStopped:
-                signals.stop_if_requested("the held-out evaluation before the first step")
+            except EvaluationStopped:  # keep the starting point (a warm start's work): step 0, evaluated on resume
+                with _timed(phases, "checkpoints"):
+                    checkpoints.save(0, state, {**session.state(), "task": task.resume_state()})
+                _write_phases(run_dir, phases)
+                raise Interrupted(f"{signals.requested()} during the held-out evaluation before the first step: "
+                                  f"checkpoint saved (step 0; the evaluation runs on resume); continue with: "
+                                  f"{_resume_command()}", signals.exit_status()) from None
     if unlogged is not None:
         _evaluated(config, session, log, phases, start, unlogged, asked_to_stop)
     for step in range(start, config.steps):
