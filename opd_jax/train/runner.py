@@ -305,8 +305,10 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
                 raise Interrupted(f"{signals.requested()} during the held-out evaluation before the first step: "
                                   f"checkpoint saved (step 0; the evaluation runs on resume); continue with: "
                                   f"{_resume_command()}", signals.exit_status()) from None
-    if unlogged is not None:
-        _evaluated(config, session, log, phases, start, unlogged, asked_to_stop)
+    if unlogged is not None and not _evaluated(config, session, log, phases, start, unlogged, asked_to_stop,
+                                               advance=False):
+        raise Interrupted(f"{signals.requested()} during the held-out evaluation of step {start}: its checkpoint keeps "
+                          f"it for the next resume; continue with: {_resume_command()}", signals.exit_status())
     for step in range(start, config.steps):
         began = time.perf_counter()
         supplied = task.supplied_batch(step)
@@ -353,7 +355,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
 
 
 def _evaluated(config: Any, session: RolloutSession, log: MetricsLog, phases: dict[str, float], done: int,
-               metrics: dict[str, float], stop: Any) -> bool:
+               metrics: dict[str, float], stop: Any, *, advance: bool = True) -> bool:
     """Log step `done`'s metrics, with the held-out evaluation on eval steps; False (nothing
     logged) when a stop request ended the evaluation early."""
     if done % config.logging.eval_every == 0 or done == config.steps:
@@ -363,5 +365,5 @@ def _evaluated(config: Any, session: RolloutSession, log: MetricsLog, phases: di
                 metrics = {**metrics, **session.evaluate(done, stop=stop)}
             except EvaluationStopped:
                 return False
-    log.log(done, metrics)
+    log.log(done, metrics, advance=advance)
     return True
