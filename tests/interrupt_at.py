@@ -15,31 +15,17 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import orbax.checkpoint as ocp  # noqa: E402
+from save_hooks import during_save  # noqa: E402  (this script's folder is on sys.path)
 
 from opd_jax.cli import main  # noqa: E402
 from opd_jax.train.rollouts import RolloutSession  # noqa: E402
 
 
 def twice_during_the_step_4_save() -> None:
-    handler = ocp.CompositeCheckpointHandler
-    write = {name: getattr(handler, name) for name in ("save", "async_save")}
-
-    def interrupt(directory) -> None:
-        if "4.orbax-checkpoint-tmp" in str(directory):
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    async def async_save(self, directory, *args, **kwargs):
-        out = await write["async_save"](self, directory, *args, **kwargs)
-        interrupt(directory)
-        return out
-
-    def save(self, directory, *args, **kwargs):
-        write["save"](self, directory, *args, **kwargs)
-        interrupt(directory)
-
-    handler.save, handler.async_save = save, async_save
+    def twice() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+    during_save(4, twice)
 
 
 def at_the_step_3_evaluation() -> None:

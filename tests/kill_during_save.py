@@ -16,34 +16,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import orbax.checkpoint as ocp  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(__file__))
+from save_hooks import during_save  # noqa: E402
 from train_loop_settings import RESUME_ARGS, TINY  # noqa: E402
 
 from opd_jax.config import load_config  # noqa: E402
 from opd_jax.train import train  # noqa: E402
 
 run_dir = Path(sys.argv[1])
-handler = ocp.CompositeCheckpointHandler
-write = {name: getattr(handler, name) for name in ("save", "async_save")}
-
-
-def die_in_step_4(directory) -> None:
-    if "4.orbax-checkpoint-tmp" in str(directory):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-async def async_save(self, directory, *args, **kwargs):
-    out = await write["async_save"](self, directory, *args, **kwargs)
-    die_in_step_4(directory)
-    return out
-
-
-def save(self, directory, *args, **kwargs):
-    write["save"](self, directory, *args, **kwargs)
-    die_in_step_4(directory)
-
-
-handler.save, handler.async_save = save, async_save
+during_save(4, lambda: os.kill(os.getpid(), signal.SIGKILL))
 train(load_config(None, [*TINY, f"logging.run_dir={run_dir}", *RESUME_ARGS]))
