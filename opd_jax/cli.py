@@ -101,13 +101,12 @@ def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[P
         except ValueError:
             raise typer.BadParameter("expected comma-separated integers", param_hint="--prompt-ids") from None
     if input_file is not None:
-        from opd_jax.data.sources import json_problem
+        from opd_jax.data.sources import json_problem, utf8_line
         for n, raw in enumerate(input_file.read_bytes().splitlines(), start=1):
             try:
-                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise typer.BadParameter(f"line {n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                         f"save the file as UTF-8", param_hint="--input") from None
+                line = utf8_line(raw, n)
+            except ValueError as e:
+                raise typer.BadParameter(f"line {n}: {e}", param_hint="--input") from None
             if not line.strip():
                 continue
             try:

@@ -79,6 +79,14 @@ def announce_holder(handle: Any, command: str) -> None:
 
 
 
+def write_json(path: Path, value: Any) -> None:
+    """`value` as JSON at `path`, written whole or not at all (through `<path stem>.tmp`): a kill
+    mid-write never leaves half a file behind."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    tmp.replace(path)
+
+
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """The steps of the completed checkpoints in a run directory (orbax names each by its step and
     writes it under a temporary name until complete), newest last."""

@@ -20,6 +20,16 @@ class DataError(OpdJaxError, ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 
+def utf8_line(raw: bytes, number: int) -> str:
+    """Line `number` (1-based) of a JSONL file as text; a BOM on the first (Windows editors) is no
+    error. ValueError naming the byte and column of text that is not UTF-8."""
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); save the file as "
+                         f"UTF-8") from None
+
+
 def json_problem(error: json.JSONDecodeError) -> str:
     """'<what> at column N: ...<the text there>...' for a one-line JSON document."""
     line = error.doc.splitlines()[error.lineno - 1] if error.doc.splitlines() else ""
@@ -49,10 +59,9 @@ def read_jsonl(path: str | Path, verifier: str | None = None) -> list[Example]:
         for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
             try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM (Windows editors) is no error
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                f"save the file as UTF-8") from None
+                line = utf8_line(raw, number)
+            except ValueError as e:
+                raise DataError(f"{where}: {e}") from None
             if not line.strip():
                 continue
             try:

@@ -37,6 +37,7 @@ from opd_jax.train import (
     run_status,
     train,
     warm_start,
+    write_json,
 )
 
 BASE = "base"
@@ -79,12 +80,6 @@ def expert_train_config(config: ExpertsConfig, name: str) -> TrainConfig:
         "model.path": str((base_dir(config.run_dir) / "model").resolve()), "model.fresh": None,
         "data.train": [to_plain(s) for s in config.experts[name]],
         "logging.run_dir": str(expert_dir(config.run_dir, name)), "checkpoint.export_hf": True})
-
-
-def write_json(path: Path, value: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=2))
-    tmp.replace(path)  # a kill mid-write never leaves half a summary behind
 
 
 def build_base(config: ExpertsConfig) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from typing import Any
 
 from opd_jax.config import RecipeConfig
 from opd_jax.errors import OpdJaxError
-from opd_jax.merge.experts import ExpertsError, expert_dir, run_experts, write_json
+from opd_jax.merge.experts import ExpertsError, expert_dir, run_experts
 from opd_jax.merge.loop import merge
 from opd_jax.merge.report import markdown_table
-from opd_jax.train import checkpoint_steps, run_status, say
+from opd_jax.train import checkpoint_steps, run_status, say, write_json
 
 PHASES = ("experts", "merge", "report")
 KEEP = 0.95  # the headline's bar: the student keeps this share of its expert on a domain

@@ -26,7 +26,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from opd_jax.run_files import write_json
 from opd_jax.train.errors import RunError
 
 _ABSL = logging.getLogger("absl")  # orbax logs through absl
@@ -170,8 +170,7 @@ class Checkpoints:
                     state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, "tree": tree_record(state)})))
                 self.manager.wait_until_finished()
             if jax.process_index() == 0:
-                _write_atomically(self.directory / str(step) / CHECKSUMS,
-                                  json.dumps(_file_hashes(self.directory / str(step))))
+                write_json(self.directory / str(step) / CHECKSUMS, _file_hashes(self.directory / str(step)))
         except KeyboardInterrupt:
             self._remove_partial()
             self._abandoned = True  # orbax's writer threads may still run: their complaints go to orbax.log
@@ -194,7 +193,7 @@ class Checkpoints:
         """Remove what a failed or killed save left under orbax's temporary names (and a committed
         step's half-written checksums); True if there was any."""
         partial = [p for p in self.directory.iterdir() if _TMP in p.name]
-        partial += list(self.directory.glob(f"*/{CHECKSUMS}.tmp"))
+        partial += list(self.directory.glob(f"*/{Path(CHECKSUMS).stem}.tmp"))  # write_json's temporary name
         for p in partial:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         return bool(partial)
@@ -257,9 +256,3 @@ class Checkpoints:
         _ABSL.removeHandler(self._log)
         _ABSL.propagate = self._propagate
         self._log.close()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
