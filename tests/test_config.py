@@ -47,7 +47,7 @@ data:
     (["algorithm.ppo.epz=1"], "algorithm.ppo.epz: unknown key"),
     (["rollout.temperature=hot"], "rollout.temperature: Input should be a valid number"),
     (["algorithm.ppo.surrogate.mismatch.kind=icepoo"],
-     "algorithm.ppo.surrogate.mismatch.kind: Input should be 'none', 'icepop'"),
+     "algorithm.ppo.surrogate.mismatch: Value error, kind: unknown mismatch correction 'icepoo'; choose one of none, icepop"),
     (["algorithm.ppo.surrogate.dual_clip=0.5"], "algorithm.ppo.surrogate: Value error, dual_clip must be > 1"),
     (["mesh.data=0"], "mesh: Value error, mesh axis sizes must be positive or -1"),
     (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt: Input should be greater than 0"),
@@ -119,7 +119,7 @@ def test_the_estimators_are_selectable_and_rloo_needs_groups():
     config = load_config(None, ["algorithm.ppo.advantage=reinforce++", "algorithm.ppo.surrogate.kind=gspo",
                                 "algorithm.ppo.surrogate.eps_low=3e-4", "algorithm.ppo.surrogate.eps_high=4e-4"])
     assert config.algorithm.ppo.advantage == "reinforce++" and config.algorithm.ppo.surrogate.kind == "gspo"
-    with pytest.raises(ConfigError, match="rloo needs rollout.samples_per_prompt >= 2"):
+    with pytest.raises(ConfigError, match="advantage rloo needs at least 2 samples per prompt"):
         load_config(None, ["algorithm.ppo.advantage=rloo", "rollout.samples_per_prompt=1"])
-    with pytest.raises(ConfigError, match="CISPO clips only"):
+    with pytest.raises(ConfigError, match="dual_clip applies to the policy losses ppo, gspo; cispo"):
         load_config(None, ["algorithm.ppo.surrogate.kind=cispo", "algorithm.ppo.surrogate.dual_clip=3"])

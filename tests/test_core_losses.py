@@ -395,5 +395,5 @@ def test_cispo_weights_every_token_by_its_clipped_stopped_ratio():
     np.testing.assert_allclose(float(ours), -(w * clipped * A * logp * m).sum() / n, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), -(w * clipped * A * m) / n, rtol=1e-5, atol=1e-7)
     assert (np.abs(np.asarray(grad))[(m > 0) & (clipped != np.exp(logp - logp_old))] > 0).any()
-    with pytest.raises(ValueError, match="CISPO clips only"):
+    with pytest.raises(ValueError, match="dual_clip applies to the policy losses ppo, gspo; cispo"):
         policy_loss(jnp.asarray(logp), jnp.asarray(logp_old), jnp.asarray(A), jnp.asarray(m), kind="cispo", dual_clip=3.0)

@@ -13,6 +13,24 @@ from typing import Any
 import pydantic
 
 from opd_jax.config.load import ConfigError
+from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, POLICY_LOSSES, Registry
+
+REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, MISMATCH_CORRECTIONS)
+
+
+def _registry(key: str) -> Registry | None:
+    """The registry whose part the key names (by the end of its dotted path), if any."""
+    return next((r for r in REGISTRIES if key == r.key or key.endswith("." + r.key)), None)
+
+
+def registered_parts(registry: Registry) -> str:
+    """One line per registered part: its name, what it needs and its docstring's first line."""
+    lines = []
+    for name in registry.names():
+        part = registry.get(name)
+        needs = f" [needs {', '.join(sorted(part.needs))}]" if part.needs else ""
+        lines.append(f"      {name}{needs}: {part.summary}")
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +95,10 @@ def key_docs(schema: type[pydantic.BaseModel]) -> list[KeyDoc]:
             key = f"{prefix}{name}".replace(".[]", "[]")
             children = _children(sub, defs)
             description = sub.get("description") or _deref(sub, defs).get("description")
-            out.append(KeyDoc(key, _type(sub, defs), sub.get("default"), description, bool(children)))
+            registry = _registry(key)
+            kind = _type(sub, defs) if registry is None else \
+                " | ".join([*(json.dumps(n) for n in registry.names()), "module:function"])
+            out.append(KeyDoc(key, kind, sub.get("default"), description, bool(children)))
             if children:
                 walk(f"{key}.", sub)
 
@@ -106,6 +127,9 @@ def explain(schema: type[pydantic.BaseModel], key: str) -> str:
             lines.append(f"{d.key}  [section {d.type}]\n    {d.description or ''}")
         else:
             lines.append(f"{d.key}: {d.type} = {_default(d.default)}\n    {d.description or ''}")
+            registry = _registry(d.key)
+            if registry is not None and len(hits) == 1:
+                lines.append(f"    registered ({registry.kind}s):\n{registered_parts(registry)}")
     return "\n".join(lines)
 
 

@@ -227,6 +227,14 @@ class RolloutSection(Section):
     """A response cut at max_new_tokens: trained on as is, masked out of the loss, or given truncation_penalty as reward."""  # noqa: E501
     truncation_penalty: float = 0.0
     """The reward of a truncated response when truncated is penalize."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's overlong reward shaping: a response in the last this many tokens before max_new_tokens loses overlong_penalty × its share of them (0: off; core/algorithms/overlong.py)."""  # noqa: E501
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The shaping's penalty at max_new_tokens (DAPO: 1)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no group-baseline signal) and draw more, so a step's batch is full of informative groups."""  # noqa: E501
+    dynamic_sampling_rounds: int = Field(4, gt=0)
+    """Dynamic sampling: draws per step at most; a batch still short then keeps uninformative groups (counted in rollout/dynamic_uninformative_groups)."""  # noqa: E501
     inject_weight_noise: float = Field(0.0, ge=0)
     """Research knob: add N(0, (noise·std(w))²) to the engine's weights at every sync, a mismatch larger than bf16's."""  # noqa: E501
     episodes: EpisodeSection = EpisodeSection()
@@ -241,6 +249,9 @@ class RolloutSection(Section):
         if self.engine == "embedded" and (servers.urls or servers.launch is not None):
             raise ValueError("rollout.sglang.urls / rollout.sglang.launch are for engine 'sglang'; the embedded "
                              "engine has none")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"rollout.overlong_buffer {self.overlong_buffer} exceeds rollout.max_new_tokens "
+                             f"{self.max_new_tokens}")
         if self.engine == "sglang" and self.decode_slots is not None:
             raise ValueError("rollout.decode_slots is the embedded engine's; SGLang servers batch continuously "
                              "by themselves (their --max-running-requests)")
@@ -423,7 +434,8 @@ class TrainConfig(Section):
             self.algorithm.ppo.check_batch_size(self.data.prompts_per_step * group, group)
         except ValueError as e:
             raise ValueError(f"data.prompts_per_step × rollout.samples_per_prompt: {e} (algorithm.ppo.update)") from None
-        if self.algorithm.ppo.advantage == "rloo" and group < 2:
-            raise ValueError("algorithm.ppo.advantage rloo needs rollout.samples_per_prompt >= 2 (each sample's "
-                             "baseline is the others of its prompt)")
+        try:
+            self.algorithm.ppo.check_group_size(group)
+        except ValueError as e:
+            raise ValueError(f"algorithm.ppo: {e} (rollout.samples_per_prompt)") from None
         return self

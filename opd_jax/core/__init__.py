@@ -2,6 +2,8 @@
 
     advantages    gae, group_advantages (GRPO), rloo_advantages, reinforce_pp_advantages, length_adaptive_lambda,
                   outcome_rewards, whiten
+    registry      ADVANTAGE_ESTIMATORS, POLICY_LOSSES, MISMATCH_CORRECTIONS: every algorithm part by name
+    algorithms    algorithm parts in files of their own (off-policy sequence masking, ...)
     mismatch      mismatch_weights (IcePop, TIS, MIS, sequence variants, veto), mismatch_metrics
     losses        policy_loss (PPO, GSPO, CISPO surrogates), value_loss, kl_estimate, aggregate
     forward       sequence_logits / sequence_logprobs / sequence_values / policy_logprobs
@@ -23,7 +25,6 @@ from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.forward import policy_logprobs, sequence_logits, sequence_logprobs, sequence_values
 from opd_jax.core.losses import SurrogateConfig, aggregate, kl_estimate, loss_denominator, policy_loss, value_loss
 from opd_jax.core.mismatch import (
-    CORRECTION_KINDS,
     MismatchCorrection,
     icepop_weights,
     mismatch_metrics,
@@ -43,12 +44,13 @@ from opd_jax.core.opd import (
 )
 from opd_jax.core.opd_step import DISTILL_LOSSES, DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
 from opd_jax.core.optim import OptimizerConfig, make_optimizer
+from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, POLICY_LOSSES, AdvantageInputs, part
 from opd_jax.core.ppo import KLConfig, PPOConfig, PPOState, advantages_and_returns, ppo_step, score_batch
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import UpdateConfig
 
-__all__ = ["CORRECTION_KINDS", "DISTILL_LOSSES", "DIVERGENCES", "BatchError", "DistillBatch", "KLConfig", "MismatchCorrection",
+__all__ = ["ADVANTAGE_ESTIMATORS", "MISMATCH_CORRECTIONS", "POLICY_LOSSES", "AdvantageInputs", "part", "DISTILL_LOSSES", "DIVERGENCES", "BatchError", "DistillBatch", "KLConfig", "MismatchCorrection",
            "OPDConfig", "OptimizerConfig", "PPOConfig", "PPOState", "PolicyState", "RolloutBatch", "SurrogateConfig",
            "UpdateConfig", "advantages_and_returns", "aggregate", "balance_weights", "divergence", "full_support", "gae",
            "group_advantages", "icepop_weights", "kl_estimate", "length_adaptive_lambda", "loss_denominator", "make_optimizer",

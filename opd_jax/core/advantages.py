@@ -1,11 +1,15 @@
 """Advantage estimators: token-level GAE from a critic, and the critic-free group baselines
-(GRPO, RLOO, REINFORCE++-baseline). Pure."""
+(GRPO, RLOO, REINFORCE++-baseline), each registered in `ADVANTAGE_ESTIMATORS`. Pure."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
+
+from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, AdvantageInputs
 
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
@@ -123,3 +127,35 @@ def whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
     mean = jnp.sum(jnp.where(on, x, 0.0)) / n
     var = jnp.sum(jnp.where(on, jnp.square(x - mean), 0.0)) / n
     return jnp.where(on, (x - mean) / (jnp.sqrt(var) + eps), 0.0)
+
+
+# --- the registered estimators (`algorithm.ppo.advantage`): fn(inputs, config, **params) -> [B, T]
+
+@ADVANTAGE_ESTIMATORS.register("gae", needs=("critic",))
+def gae_estimator(inputs: AdvantageInputs, config: Any) -> jax.Array:
+    """Per-token GAE from the critic (GLM-5.2), λ = lam_policy or VAPO's length-adaptive λ."""
+    lam = length_adaptive_lambda(inputs.mask, config.adaptive_alpha) if config.lam_policy == "adaptive" \
+        else config.lam_policy
+    return gae(inputs.token_rewards, inputs.values, inputs.mask, config.gamma, lam, inputs.final_values)[0]
+
+
+def _on_tokens(per_sample: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.where(mask > 0, per_sample[:, None], 0.0)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo", needs=("group",))
+def grpo_estimator(inputs: AdvantageInputs, config: Any) -> jax.Array:
+    """GRPO's group baseline (Dr.GRPO with grpo_normalize_std false), on every response token."""
+    return _on_tokens(group_advantages(inputs.rewards, inputs.group_size, config.grpo_normalize_std), inputs.mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo", needs=("group", "pairs"))
+def rloo_estimator(inputs: AdvantageInputs, config: Any) -> jax.Array:
+    """RLOO's leave-one-out baseline, on every response token."""
+    return _on_tokens(rloo_advantages(inputs.rewards, inputs.group_size), inputs.mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce++", needs=("group",))
+def reinforce_pp_estimator(inputs: AdvantageInputs, config: Any) -> jax.Array:
+    """REINFORCE++-baseline: the group mean as baseline, normalised over the batch's tokens."""
+    return reinforce_pp_advantages(inputs.rewards, inputs.mask, inputs.group_size)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from opd_jax.core.metrics import Maxed, Summed
 from opd_jax.core.mismatch import MismatchCorrection
+from opd_jax.core.registry import POLICY_LOSSES
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
-PolicyLossKind = Literal["ppo", "gspo", "cispo"]
 
 
 def check_surrogate(eps_low: float, eps_high: float, dual_clip: float | None, agg: str, kind: str = "ppo") -> None:
@@ -27,10 +27,10 @@ def check_surrogate(eps_low: float, eps_high: float, dual_clip: float | None, ag
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if kind not in ("ppo", "gspo", "cispo"):
-        raise ValueError(f"unknown policy loss {kind!r}; use 'ppo', 'gspo' or 'cispo'")
-    if dual_clip is not None and kind == "cispo":
-        raise ValueError("dual_clip is PPO's and GSPO's; CISPO clips only its stopped weight")
+    part = POLICY_LOSSES.get(kind)
+    if dual_clip is not None and "dual-clip" not in part.needs:
+        raise ValueError(f"dual_clip applies to the policy losses {', '.join(n for n in POLICY_LOSSES.names() if 'dual-clip' in POLICY_LOSSES.get(n).needs)}; "  # noqa: E501
+                         f"{kind} clips otherwise")
     if agg not in ("token-mean", "seq-mean-token-mean"):
         raise ValueError(f"unknown loss_agg {agg!r}; use 'token-mean' or 'seq-mean-token-mean'")
 
@@ -45,9 +45,8 @@ class SurrogateConfig:
 
     __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
-    kind: PolicyLossKind = "ppo"
-    """ppo: per-token ratio; gspo: one length-normalised ratio per sequence (set eps ~3e-4 / 4e-4, as
-    its paper); cispo: REINFORCE weighted by the clipped, stopped token ratio."""
+    kind: str = "ppo"
+    """The policy loss, by registered name or 'module:function' (gspo: set eps ~3e-4 / 4e-4, as its paper)."""
     eps_low: float = 0.2
     """Clip the ratio from below at 1 − eps_low."""
     eps_high: float = 0.28
@@ -103,7 +102,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, agg: Aggregation,
 def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mask: jax.Array, *,
                 eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float | None = None,
                 weights: jax.Array | None = None, agg: Aggregation = "token-mean",
-                normalizer: jax.Array | float | None = None, kind: PolicyLossKind = "ppo"
+                normalizer: jax.Array | float | None = None, kind: str = "ppo"
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped policy surrogate, per token (sg: stop-gradient):
 
@@ -130,17 +129,9 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
     A = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     check_surrogate(eps_low, eps_high, dual_clip, agg, kind)
     logp = logp.astype(jnp.float32)
-    log_ratio = token_log_ratio = logp - jax.lax.stop_gradient(logp_old.astype(jnp.float32))
-    if kind == "gspo":
-        lengths = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1.0)
-        log_seq = jnp.sum(jnp.where(m > 0, log_ratio, 0.0), axis=1, keepdims=True) / lengths
-        log_ratio = jax.lax.stop_gradient(log_seq) + logp - jax.lax.stop_gradient(logp)
-    ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    if kind == "cispo":
-        per_token = -w * jax.lax.stop_gradient(clipped) * A * jnp.where(m > 0, logp, 0.0)
-    else:
-        per_token = -w * jnp.minimum(ratio * A, clipped * A)
+    token_log_ratio = logp - jax.lax.stop_gradient(logp_old.astype(jnp.float32))
+    unweighted, ratio = POLICY_LOSSES.get(kind).fn(logp, logp_old.astype(jnp.float32), A, m, eps_low, eps_high)
+    per_token = w * unweighted
     if dual_clip is not None:
         per_token = jnp.where(A < 0, jnp.minimum(per_token, -w * dual_clip * A), per_token)
     loss, total, count = aggregate(per_token, m, agg, normalizer)
@@ -156,6 +147,33 @@ def policy_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, mas
         "weight_zero_frac": masked_mean((w == 0).astype(jnp.float32)),
     }
     return loss, jax.lax.stop_gradient(metrics)
+
+
+@POLICY_LOSSES.register("ppo", needs=("dual-clip",))
+def ppo_loss(logp, logp_old, advantages, mask, eps_low, eps_high):
+    """PPO's clipped surrogate on the token ratio (DAPO's clip-higher)."""
+    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_old))
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return -jnp.minimum(ratio * advantages, clipped * advantages), ratio
+
+
+@POLICY_LOSSES.register("gspo", needs=("dual-clip", "sequence"))
+def gspo_loss(logp, logp_old, advantages, mask, eps_low, eps_high):
+    """GSPO: PPO's clip on one length-normalised sequence ratio (its token form)."""
+    log_ratio = logp - jax.lax.stop_gradient(logp_old)
+    lengths = jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
+    log_seq = jnp.sum(jnp.where(mask > 0, log_ratio, 0.0), axis=1, keepdims=True) / lengths
+    ratio = jnp.exp(jax.lax.stop_gradient(log_seq) + logp - jax.lax.stop_gradient(logp))
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return -jnp.minimum(ratio * advantages, clipped * advantages), ratio
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(logp, logp_old, advantages, mask, eps_low, eps_high):
+    """CISPO: REINFORCE weighted by the clipped, stopped token ratio."""
+    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_old))
+    clipped = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    return -clipped * advantages * jnp.where(mask > 0, logp, 0.0), ratio
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,

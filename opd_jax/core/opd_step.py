@@ -41,7 +41,7 @@ from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.forward import policy_logprobs, sequence_logits
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
-from opd_jax.core.mismatch import mismatch_metrics, mismatch_weights
+from opd_jax.core.mismatch import current_policy_weights, mismatch_metrics, mismatch_weights
 from opd_jax.core.opd import DIVERGENCES, Divergence, divergence, full_support, reverse_kl_advantage, top_k_support
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import (
@@ -266,15 +266,16 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
         logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}
+        weights = current_policy_weights(t.weights, logp, rollout.logp_infer, t.mask, s.mismatch, t.advantages)
         if use_surrogate:
             loss, metrics = policy_loss(logp, rollout.logp_old, t.advantages, t.mask, eps_low=s.eps_low,
-                                        eps_high=s.eps_high, dual_clip=s.dual_clip, weights=t.weights,
+                                        eps_high=s.eps_high, dual_clip=s.dual_clip, weights=weights,
                                         agg=s.loss_agg, normalizer=normalizer, kind=s.kind)
         if config.loss != "sampled":
             per_position = _position_divergence(shift_right(logits), t.batch, config, divergences)
             if t.batch.row_weights is not None:
                 per_position = per_position * t.batch.row_weights[:, None]
-            distill, _, _ = aggregate(t.weights * per_position, t.mask, s.loss_agg, normalizer)
+            distill, _, _ = aggregate(weights * per_position, t.mask, s.loss_agg, normalizer)
             metrics = {**metrics, "distill_loss": summed_loss(distill)}
             if use_surrogate:
                 metrics["reward_loss"] = summed_loss(loss)

@@ -24,23 +24,17 @@ facts of the run, not knobs: the caller passes them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from opd_jax.core.advantages import (
-    gae,
-    group_advantages,
-    length_adaptive_lambda,
-    outcome_rewards,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    whiten,
-)
+from opd_jax.core import algorithms  # noqa: F401  (registers the algorithm files' parts)
+from opd_jax.core.advantages import gae, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.forward import sequence_logprobs, sequence_values, values_and_final
 from opd_jax.core.losses import (
@@ -53,7 +47,8 @@ from opd_jax.core.losses import (
     value_loss,
 )
 from opd_jax.core.metrics import prefixed
-from opd_jax.core.mismatch import mismatch_weights
+from opd_jax.core.mismatch import current_policy_weights, mismatch_weights
+from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, AdvantageInputs, Part
 from opd_jax.core.router import router_losses
 from opd_jax.core.update import (
     UpdateConfig,
@@ -97,17 +92,19 @@ class KLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """Every knob of the step. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α = adaptive_alpha.
-    advantage = "grpo", "rloo" or "reinforce++" replaces GAE by a baseline over consecutive groups
-    of the run's samples per prompt (`core.advantages`; the same advantage on every token of a
-    sample, reinforce++'s normalised over the batch's tokens) and leaves the critic untouched.
-    `surrogate`: the clipped, mismatch-weighted policy loss; `update`: epochs, mini-batches,
-    micro-batches (both shared with the OPD step)."""
+    """Every knob of the step. `advantage` names a registered estimator (`ADVANTAGE_ESTIMATORS`)
+    or a user's by import path, called with `advantage_params`; only one that needs the critic
+    (gae) has one built, scored and trained. λ_policy = "adaptive" is VAPO's 1 − 1/(α·len), α =
+    adaptive_alpha. The group baselines (grpo, rloo, reinforce++) work over consecutive groups of
+    the run's samples per prompt (`core.advantages`). `surrogate`: the clipped, mismatch-weighted
+    policy loss; `update`: epochs, mini-batches, micro-batches (both shared with the OPD step)."""
 
     __pydantic_config__ = {"use_attribute_docstrings": True, "extra": "forbid"}  # as the config sections
 
-    advantage: Literal["gae", "grpo", "rloo", "reinforce++"] = "gae"
-    """gae: per-token GAE from the critic (GLM-5.2); critic-free (critic untouched): grpo, rloo, reinforce++."""
+    advantage: str = "gae"
+    """The advantage estimator, by registered name or 'module:function'; only one that needs the critic (GAE, the GLM-5.2 recipe) has one built."""  # noqa: E501
+    advantage_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The estimator's own parameters (keyword arguments of its function; for one given by import path)."""
     grpo_normalize_std: bool = True
     """GRPO: divide by the group's reward std (false: Dr.GRPO)."""
     gamma: float = 1.0
@@ -138,8 +135,7 @@ class PPOConfig:
     """MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the trainer's router)."""
 
     def __post_init__(self):
-        if self.advantage not in ("gae", "grpo", "rloo", "reinforce++"):
-            raise ValueError(f"advantage must be 'gae', 'grpo', 'rloo' or 'reinforce++', got {self.advantage!r}")
+        self.estimator.check_params(self.advantage_params, fixed=2)
         if self.value_warmup_steps < 0:
             raise ValueError(f"value_warmup_steps must be >= 0, got {self.value_warmup_steps}")
         if self.lam_policy != "adaptive" and not 0 <= self.lam_policy <= 1:
@@ -147,33 +143,59 @@ class PPOConfig:
         if not (0 <= self.lam_critic <= 1 and 0 <= self.gamma <= 1):
             raise ValueError("gamma and lam_critic must be in [0, 1]")
 
+    def __hash__(self) -> int:  # advantage_params is a dict; configs compare by value
+        return hash(repr(self))
+
+    @property
+    def estimator(self) -> Part:
+        return ADVANTAGE_ESTIMATORS.get(self.advantage)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs the learned critic (only then is one built and trained)."""
+        return "critic" in self.estimator.needs
+
+    def check_group_size(self, group_size: int) -> None:
+        """ValueError when the estimator needs ≥ 2 samples per prompt and the run has fewer."""
+        if "pairs" in self.estimator.needs and group_size < 2:
+            raise ValueError(f"advantage {self.advantage} needs at least 2 samples per prompt (each sample's "
+                             f"baseline is the others of its prompt), got {group_size}")
+
     def check_batch_size(self, batch_size: int, group_size: int = 1) -> None:
-        self.update.check_batch_size(batch_size, None if self.advantage == "gae" else group_size)
+        self.update.check_batch_size(batch_size, group_size if "group" in self.estimator.needs else None)
 
 
 @flax.struct.dataclass
 class PPOState:
     """Policy and critic parameters (nnx.State, which keeps each parameter's logical axes) and
-    their optimizer states, plus the step count. The graph definitions and optimizers are static."""
+    their optimizer states, plus the step count. The graph definitions and optimizers are static.
+    A run whose estimator needs no critic has none: critic, critic_opt, critic_def and
+    critic_tx are None (nothing of it is held, scored, trained or checkpointed)."""
 
     step: jax.Array
     policy: nnx.State
-    critic: nnx.State
+    critic: nnx.State | None
     policy_opt: optax.OptState
-    critic_opt: optax.OptState
+    critic_opt: optax.OptState | None
     policy_def: nnx.GraphDef = flax.struct.field(pytree_node=False)
-    critic_def: nnx.GraphDef = flax.struct.field(pytree_node=False)
+    critic_def: nnx.GraphDef | None = flax.struct.field(pytree_node=False)
     policy_tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
-    critic_tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    critic_tx: optax.GradientTransformation | None = flax.struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, policy: Decoder, critic: ValueModel, policy_tx: optax.GradientTransformation,
-               critic_tx: optax.GradientTransformation) -> PPOState:
+    def create(cls, policy: Decoder, critic: ValueModel | None, policy_tx: optax.GradientTransformation,
+               critic_tx: optax.GradientTransformation | None) -> PPOState:
         policy_def, policy_params = nnx.split(policy, nnx.Param)
-        critic_def, critic_params = nnx.split(critic, nnx.Param)
+        critic_def, critic_params = nnx.split(critic, nnx.Param) if critic is not None else (None, None)
         return cls(step=jnp.zeros((), jnp.int32), policy=policy_params, critic=critic_params,
-                   policy_opt=policy_tx.init(policy_params), critic_opt=critic_tx.init(critic_params),
-                   policy_def=policy_def, critic_def=critic_def, policy_tx=policy_tx, critic_tx=critic_tx)
+                   policy_opt=policy_tx.init(policy_params),
+                   critic_opt=None if critic is None else critic_tx.init(critic_params),
+                   policy_def=policy_def, critic_def=critic_def, policy_tx=policy_tx,
+                   critic_tx=None if critic is None else critic_tx)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
 
     def policy_model(self) -> Decoder:
         return nnx.merge(self.policy_def, self.policy)
@@ -189,15 +211,16 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
     """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature),
     old_values (state.critic) and end_values (the critic's value of each whole row, which a
     truncated episode bootstraps from) filled in, computed in `microbatches` slices. Per-token
-    ones are zero off the mask. routing_replay: a MoE policy scores with the engine's routing
-    (batch.routing; R3)."""
-    def score(b: RolloutBatch):
-        logp, _ = sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature,
-                                    replay=routing_replay)
-        return logp, *values_and_final(state.critic_def, state.critic, b)
+    ones are zero off the mask. A state without a critic fills logp_old only (no value pass).
+    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3)."""
+    def logprobs(b: RolloutBatch):
+        return sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature, replay=routing_replay)[0]
 
-    logp_old, old_values, end_values = map_rows(score, batch, microbatches)
     on = batch.response_mask > 0
+    if not state.has_critic:
+        return batch.replace(logp_old=jnp.where(on, map_rows(logprobs, batch, microbatches), 0.0))
+    logp_old, old_values, end_values = map_rows(
+        lambda b: (logprobs(b), *values_and_final(state.critic_def, state.critic, b)), batch, microbatches)
     return batch.replace(logp_old=jnp.where(on, logp_old, 0.0), old_values=jnp.where(on, old_values, 0.0),
                          end_values=end_values)
 
@@ -211,7 +234,7 @@ class _PPOTargets:
     batch: RolloutBatch
     mask: jax.Array
     advantages: jax.Array
-    returns: jax.Array
+    returns: jax.Array | None  # the critic's targets (None without a critic)
     weights: jax.Array
 
 
@@ -227,8 +250,9 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
         logp, entropy, router = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
                                                   unroll=config.update.layer_unroll, temperature=temperature,
                                                   with_router=True, replay=config.routing_replay == "r3")
+        weights = current_policy_weights(t.weights, logp, t.batch.logp_infer, t.mask, surrogate.mismatch, t.advantages)
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
-                                    eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=t.weights,
+                                    eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=weights,
                                     agg=surrogate.loss_agg, normalizer=normalizer, kind=surrogate.kind)
         entropy_mean, _, _ = aggregate(entropy, t.mask, surrogate.loss_agg, normalizer)
         metrics = {**metrics, "loss": summed_loss(loss), "entropy": summed_loss(entropy_mean)}
@@ -267,45 +291,50 @@ def _critic_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
     return params, opt_state, {**metrics, **apply_metrics}
 
 
-def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_PPOTargets, dict[str, jax.Array]]:
-    m = batch.response_mask.astype(jnp.float32)
+def _token_rewards(batch: RolloutBatch, m: jax.Array, config: PPOConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Each token's reward: the outcome on the last response token (or the episode's per-turn
+    rewards), minus coef·KL(π_old ‖ π_ref) when the KL term sits in the reward."""
     token_rewards = outcome_rewards(batch.rewards, m) if batch.token_rewards is None else \
         jnp.where(m > 0, batch.token_rewards, 0.0)
+    if not (config.kl.enabled and config.kl.where == "reward"):
+        return token_rewards, {}
+    kl = jnp.where(m > 0, kl_estimate(batch.logp_old, batch.logp_ref, config.kl.kind), 0.0)
+    return token_rewards - config.kl.coef * kl, {"kl_reward": jnp.sum(kl) / jnp.maximum(jnp.sum(m), 1.0)}
+
+
+def _critic_statistics(returns: jax.Array, values: jax.Array, masked_mean) -> dict[str, jax.Array]:
+    residual_var = masked_mean(jnp.square(returns - values - masked_mean(returns - values)))
+    returns_var = masked_mean(jnp.square(returns - masked_mean(returns)))
+    return {"return_mean": masked_mean(returns), "value_mean": masked_mean(values),
+            "value_explained_variance": 1.0 - residual_var / jnp.maximum(returns_var, 1e-8)}
+
+
+def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_PPOTargets, dict[str, jax.Array]]:
+    m = batch.response_mask.astype(jnp.float32)
+    token_rewards, stats = _token_rewards(batch, m, config)
+    critic = config.uses_critic
     final = None
-    if batch.bootstrap is not None and batch.end_values is not None:
+    if critic and batch.bootstrap is not None and batch.end_values is not None:
         final = jnp.where(batch.bootstrap > 0, batch.end_values, 0.0)
-    stats = {}
-    if config.kl.enabled and config.kl.where == "reward":
-        kl = jnp.where(m > 0, kl_estimate(batch.logp_old, batch.logp_ref, config.kl.kind), 0.0)
-        token_rewards = token_rewards - config.kl.coef * kl
-        stats["kl_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(m), 1.0)
-    lam_policy = length_adaptive_lambda(m, config.adaptive_alpha) if config.lam_policy == "adaptive" \
-        else config.lam_policy
-    if config.advantage in ("grpo", "rloo"):
-        group = group_advantages(batch.rewards, group_size, normalize_std=config.grpo_normalize_std) \
-            if config.advantage == "grpo" else rloo_advantages(batch.rewards, group_size)
-        advantages = jnp.where(m > 0, group[:, None], 0.0)
-    elif config.advantage == "reinforce++":
-        advantages = reinforce_pp_advantages(batch.rewards, m, group_size)
-    else:
-        advantages, _ = gae(token_rewards, batch.old_values, m, config.gamma, lam_policy, final)
-    _, returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic, final)
+    inputs = AdvantageInputs(rewards=batch.rewards, token_rewards=token_rewards, mask=m,
+                             values=batch.old_values if critic else None, final_values=final, group_size=group_size)
+    advantages = config.estimator.fn(inputs, config, **config.advantage_params)
+    chex.assert_shape(advantages, m.shape, custom_message=f"advantage estimator {config.advantage} must return [B, T]")
+    advantages = jnp.where(m > 0, advantages.astype(jnp.float32), 0.0)
     if config.whiten_advantages:
         advantages = whiten(advantages, m)
     correction = config.surrogate.mismatch
     weights = mismatch_weights(batch.logp_old, batch.logp_infer, m, correction)
     n = jnp.maximum(jnp.sum(m), 1.0)
     masked_mean = lambda x: jnp.sum(jnp.where(m > 0, x, 0.0)) / n  # noqa: E731
-    residual_var = masked_mean(jnp.square(returns - batch.old_values - masked_mean(returns - batch.old_values)))
-    returns_var = masked_mean(jnp.square(returns - masked_mean(returns)))
-    token_inputs = [x for x in (batch.logp_infer, batch.logp_old, batch.old_values, batch.logp_ref) if x is not None]
+    returns = gae(token_rewards, batch.old_values, m, config.gamma, config.lam_critic, final)[1] if critic else None
+    token_inputs = [x for x in (batch.logp_infer, batch.logp_old, batch.old_values if critic else None, batch.logp_ref)
+                    if x is not None]
     stats.update({
         **batch_statistics(batch.rewards, m, batch.logp_old, batch.logp_infer, token_inputs, correction),
         "advantage_mean": masked_mean(advantages),
         "advantage_std": jnp.sqrt(masked_mean(jnp.square(advantages - masked_mean(advantages)))),
-        "return_mean": masked_mean(returns),
-        "value_mean": masked_mean(batch.old_values),
-        "value_explained_variance": 1.0 - residual_var / jnp.maximum(returns_var, 1e-8),
+        **(_critic_statistics(returns, batch.old_values, masked_mean) if critic else {}),
     })
     return _PPOTargets(batch=batch, mask=m, advantages=advantages, returns=returns, weights=weights), stats
 
@@ -316,8 +345,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
     prompt (consecutive rows; GRPO's groups); temperature: the engine's sampling temperature, at
     which the policy's log-probs are taken (score_batch must use the same). Metrics are combined
     over the epochs x mini-batches updates (maxima kept): "policy/*", "critic/*", and batch stats."""
-    if batch.logp_old is None or batch.old_values is None:
-        raise ValueError("ppo_step needs batch.logp_old and batch.old_values: run score_batch first")
+    if config.uses_critic and not state.has_critic:
+        raise ValueError(f"advantage {config.advantage} needs a critic, and the state has none: create it with one")
+    if batch.logp_old is None or (config.uses_critic and batch.old_values is None):
+        raise ValueError("ppo_step needs batch.logp_old (and, with a critic, batch.old_values): run score_batch first")
     if config.kl.enabled and batch.logp_ref is None:
         raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: run policy_logprobs "
                          "with the reference's parameters")
@@ -335,7 +366,7 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
         policy, policy_opt, policy_metrics = jax.lax.cond(
             train_policy, policy_branch, lambda: (policy, policy_opt, skipped))
         metrics = prefixed("policy/", policy_metrics)
-        if config.advantage == "gae":  # the critic-free baselines have no critic to train
+        if config.uses_critic:  # a critic-free estimator leaves any critic untouched
             critic, critic_opt, critic_metrics = _critic_update(state, critic, critic_opt, mb, config)
             metrics.update(prefixed("critic/", critic_metrics))
         return (policy, policy_opt, critic, critic_opt), metrics
@@ -349,8 +380,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
     return new_state, metrics
 
 
-def advantages_and_returns(batch: RolloutBatch, *, config: PPOConfig, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
-    """The advantages [B, T] (whitened when configured) and critic returns [B, T] that `ppo_step`
-    trains this scored batch on; for inspection (logging.dump_rollouts)."""
+def advantages_and_returns(batch: RolloutBatch, *, config: PPOConfig,
+                           group_size: int = 1) -> tuple[jax.Array, jax.Array | None]:
+    """The advantages [B, T] (whitened when configured) and critic returns [B, T] (None when the
+    estimator needs no critic) that `ppo_step` trains this scored batch on; for inspection
+    (logging.dump_rollouts)."""
     targets, _ = _targets(batch, config, group_size)
     return targets.advantages, targets.returns

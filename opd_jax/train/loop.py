@@ -26,11 +26,13 @@ from opd_jax.train.sft import warm_start
 __all__ = ["PPOTask", "memory_report", "train"]
 
 
-def memory_report(state: PPOState) -> dict[str, float]:
+def memory_report(state: PPOState) -> dict[str, float | bool]:
     """Bytes of policy, critic and both optimizer states (what training holds besides
-    activations), and this process's peak resident memory so far."""
+    activations; 0 for a critic the run does not have), whether it has a critic, and this
+    process's peak resident memory so far."""
     nbytes = lambda tree: float(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
-    return {"policy_gib": nbytes(state.policy) / 2**30, "critic_gib": nbytes(state.critic) / 2**30,
+    return {"policy_gib": nbytes(state.policy) / 2**30, "critic": state.has_critic,
+            "critic_gib": nbytes(state.critic) / 2**30,
             "optimizer_states_gib": nbytes((state.policy_opt, state.critic_opt)) / 2**30,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -68,7 +70,10 @@ class PPOTask:
         return {"warm start": time.perf_counter() - began}
 
     def create_state(self) -> PPOState:
+        """The policy and, only when the estimator needs one, the critic with its optimizer."""
         algorithm = self.config.algorithm
+        if not algorithm.ppo.uses_critic:
+            return PPOState.create(self.policy, None, make_optimizer(algorithm.policy_optimizer), None)
         return PPOState.create(self.policy, build_critic(self.policy, self.config),
                                make_optimizer(algorithm.policy_optimizer), make_optimizer(algorithm.critic_optimizer))
 
@@ -86,7 +91,7 @@ class PPOTask:
 
     def dump_fields(self, scored, extra: dict[str, Any]) -> dict[str, Any]:
         advantages, returns = self._advantages(scored)
-        return {"advantages": advantages, "returns": returns}
+        return {"advantages": advantages, **({} if returns is None else {"returns": returns})}
 
     def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
         if metrics.get("policy/trained", 1.0):

@@ -5,6 +5,7 @@ refits, and held-out evaluation through the same engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -19,6 +20,8 @@ from flax import nnx
 
 from opd_jax.config import DataSection, RolloutSection, scoring_temperature
 from opd_jax.core import RolloutBatch, validate_batch
+from opd_jax.core.algorithms.dynamic_sampling import informative_groups
+from opd_jax.core.algorithms.overlong import overlong_penalty
 from opd_jax.data import Example, eval_prompts, take, train_prompts
 from opd_jax.envs import Trajectory
 from opd_jax.models import Decoder, Tokenizer
@@ -32,6 +35,19 @@ from opd_jax.train.evaluate import evaluate
 from rollout_bridge.pipe import PipeError, RolloutPipe
 from rollout_bridge.protocol import TEMPERED_UNTRUNCATED, EngineError
 from rollout_bridge.records import Request, SamplingParams
+
+
+@dataclasses.dataclass
+class _Group:
+    """One prompt's samples (or one instance's episodes), rewarded."""
+
+    trajectories: list[Trajectory]
+    rewards: list[float]
+    keep: list[bool]
+    generated: int  # the policy's sampled tokens
+
+    def informative(self, group_size: int) -> bool:
+        return bool(informative_groups(jnp.asarray(self.rewards, jnp.float32), group_size)[0])
 
 
 class RolloutSession:
@@ -122,50 +138,82 @@ class RolloutSession:
         trajectories, their rewards, and the trainer's batch of them (checked: named errors for
         NaN, bad ids, ...). Failed episodes and bad rewards leave the loss and are counted."""
         began = time.perf_counter()
-        try:
-            groups = self.pipe.take(self.data.prompts_per_step, trainer_version=step)
-        except PipeError as e:
-            raise RunError(f"step {step + 1}: {e}") from None
+        groups, sampling = self._groups(step)
         wait = time.perf_counter() - began
-        trajectories, rewards, keep = [], [], []
-        for group in groups:
-            if isinstance(group[0], Trajectory):  # episodes: the environment gave the rewards
-                trajectories += group
-                rewards += [math.nan if t.end == "failed" else t.reward for t in group]
-                keep += [True] * len(group)
-                continue
-            try:
-                group_rewards = rollout_rewards(group, [r.metadata["example"] for r in group], self.tokenizer,
-                                                self.reward_fn, on_bad=self.data.on_bad_reward)
-            except RewardError as e:
-                raise RunError(f"step {step + 1}: {e} (data.on_bad_reward: skip drops such samples)") from None
-            group_rewards, group_keep = truncation_treatment(group, group_rewards, self.rollout.truncated,
-                                                             self.rollout.truncation_penalty)
-            # a bad sample's NaN stays in `rewards` (it leaves the loss below), not in its token rewards
-            trajectories += [Trajectory.single_turn(r, 0.0 if math.isnan(x) else x) for r, x in zip(group, group_rewards)]
-            rewards += list(group_rewards)
-            keep += list(group_keep)
-        rewards = np.asarray(rewards, np.float32)
+        trajectories = [t for g in groups for t in g.trajectories]
+        rewards = np.asarray([x for g in groups for x in g.rewards], np.float32)
+        keep = np.asarray([k for g in groups for k in g.keep])
         bad = np.isnan(rewards)  # bad rewards (skipped) and failed episodes
         batch = without_rows(trajectories_to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0,
-                                                   rewards=np.nan_to_num(rewards)), np.asarray(keep))
+                                                   rewards=np.nan_to_num(rewards)), keep)
         if bad.any():
             kept, mask = drop_bad_rewards(rewards, np.asarray(batch.response_mask), self.rollout.samples_per_prompt)
             batch = batch.replace(rewards=jnp.asarray(kept), response_mask=jnp.asarray(mask))
         validate_batch(batch, vocab_size=vocab_size)
-        generated = sum(sum(t.model_mask) for t in trajectories)
         is_episode = [t.metadata["example"].episode is not None for t in trajectories]
         episodes = [t for t, e in zip(trajectories, is_episode) if e]
         single = [t for t, e in zip(trajectories, is_episode) if not e]
         bad_rewards = int(bad.sum()) - sum(t.end == "failed" for t in episodes)
         return batch, trajectories, {
-            "rollout/tokens": float(generated),  # the policy's sampled tokens: a run's compute, summed over steps
-            "rollout/tokens_per_s": generated / max(wait, 1e-9), "rollout/wait_s": wait,
+            # the policy's sampled tokens (dropped groups' too): a run's compute, summed over steps
+            "rollout/tokens": float(sampling["generated"]),
+            "rollout/tokens_per_s": sampling.pop("generated") / max(wait, 1e-9), "rollout/wait_s": wait,
             "rollout/staleness": float(np.mean([step - t.weight_version for t in trajectories])),
             **({"rollout/truncated_frac": float(np.mean([t.finish_reasons[-1:] == ("length",) for t in single]))}
                if single else {}),
             **(episode_metrics(episodes) if episodes else {}),
-            **({"reward/bad_samples": float(bad_rewards)} if self.data.on_bad_reward == "skip" else {})}
+            **({"reward/bad_samples": float(bad_rewards)} if self.data.on_bad_reward == "skip" else {}),
+            **sampling}
+
+    def _groups(self, step: int) -> tuple[list[_Group], dict[str, float]]:
+        """The step's prompt groups, rewarded. With rollout.dynamic_sampling, groups whose rewards
+        are all equal are dropped and more drawn, up to dynamic_sampling_rounds draws; a batch
+        still short then takes back the first dropped ones, so its size holds (counted)."""
+        wanted = self.data.prompts_per_step
+        drawn = [self._rewarded(g, step) for g in self._take(wanted, step)]
+        generated = sum(g.generated for g in drawn)
+        if not self.rollout.dynamic_sampling:
+            return drawn, {"generated": generated}
+        kept, dropped, rounds = [], [], 1
+        while True:
+            for group in drawn:
+                (kept if group.informative(self.rollout.samples_per_prompt) else dropped).append(group)
+            if len(kept) >= wanted or rounds >= self.rollout.dynamic_sampling_rounds:
+                break
+            drawn = [self._rewarded(g, step) for g in self._take(wanted - len(kept), step)]
+            generated += sum(g.generated for g in drawn)
+            rounds += 1
+        refilled = dropped[:max(wanted - len(kept), 0)]
+        return kept[:wanted] + refilled, {
+            "generated": generated, "rollout/dynamic_draw_rounds": float(rounds),
+            "rollout/dynamic_dropped_groups": float(len(dropped) - len(refilled)),
+            "rollout/dynamic_uninformative_groups": float(len(refilled))}
+
+    def _take(self, groups: int, step: int) -> list[list[Any]]:
+        try:
+            return self.pipe.take(groups, trainer_version=step)
+        except PipeError as e:
+            raise RunError(f"step {step + 1}: {e}") from None
+
+    def _rewarded(self, group: list[Any], step: int) -> _Group:
+        """A group's trajectories, rewards (NaN: a failed episode or a skipped bad reward) and which
+        rows stay in the batch."""
+        if isinstance(group[0], Trajectory):  # episodes: the environment gave the rewards
+            rewards = [math.nan if t.end == "failed" else t.reward for t in group]
+            return _Group(list(group), rewards, [True] * len(group), sum(sum(t.model_mask) for t in group))
+        try:
+            rewards = rollout_rewards(group, [r.metadata["example"] for r in group], self.tokenizer,
+                                      self.reward_fn, on_bad=self.data.on_bad_reward)
+        except RewardError as e:
+            raise RunError(f"step {step + 1}: {e} (data.on_bad_reward: skip drops such samples)") from None
+        if self.rollout.overlong_buffer:
+            lengths = np.asarray([len(r.output_ids) for r in group])
+            rewards = rewards + np.asarray(overlong_penalty(jnp.asarray(lengths), self.rollout.max_new_tokens,
+                                                            self.rollout.overlong_buffer, self.rollout.overlong_penalty))
+        rewards, keep = truncation_treatment(group, rewards, self.rollout.truncated, self.rollout.truncation_penalty)
+        # a bad sample's NaN stays in `rewards` (it leaves the loss), not in its token rewards
+        trajectories = [Trajectory.single_turn(r, 0.0 if math.isnan(x) else x) for r, x in zip(group, rewards)]
+        return _Group(trajectories, list(rewards), list(keep), sum(sum(t.model_mask) for t in trajectories))
 
     def refit(self, params: nnx.State, version: int) -> dict[str, float]:
         """Serve weights `version` from now on; the refit time and the engine's counters."""
