@@ -302,16 +302,12 @@ def sweep(
     typer.echo(f"sweep written to {loaded.out}")
 
 
-SCHEMAS = {"train": "TrainConfig", "merge": "MergeConfig", "experts": "ExpertsConfig"}
-Kind = Annotated[str, typer.Option("--kind", help="Which command's config: train, merge or experts.")]
+Kind = Annotated[str, typer.Option("--kind", help="Which command's config: train, experts, merge or recipe.")]
 
 
 def _schema(kind: str) -> Any:
-    import opd_jax.config as configs
-    from opd_jax.config import ConfigError
-    if kind not in SCHEMAS:
-        raise ConfigError(f"--kind {kind!r}: use one of {', '.join(SCHEMAS)}")
-    return getattr(configs, SCHEMAS[kind])
+    from opd_jax.config.commands import schema_of
+    return schema_of(kind)
 
 
 @_command(config_app, name="show")
@@ -339,17 +335,15 @@ def _k8s_config(config_file: Path, overrides: Optional[list[str]], kind: str) ->
     """The config of `kind` (auto: from the file's top-level keys)."""
     import yaml
 
-    from opd_jax.config import ConfigError
-    from opd_jax.k8s import KINDS, detect_kind
+    from opd_jax.config.commands import schema_of
+    from opd_jax.k8s import detect_kind
     if kind == "auto":
         try:
             data = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
         except (OSError, yaml.YAMLError):
             data = {}  # load_config names the problem
         kind = detect_kind(data if isinstance(data, dict) else {}, str(config_file))
-    if kind not in KINDS:
-        raise ConfigError(f"--kind {kind!r}: use one of auto, {', '.join(KINDS)}")
-    return _load(config_file, list(overrides or []), KINDS[kind])
+    return _load(config_file, list(overrides or []), schema_of(kind, on_cluster=True))
 
 
 K8sKind = Annotated[str, typer.Option("--kind", help="Which command's config: auto (from its keys), train, merge, experts.")]

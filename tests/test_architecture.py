@@ -2,9 +2,11 @@
 
 import ast
 import re
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+DOC = ROOT / "docs" / "architecture.md"
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -57,3 +59,60 @@ def test_sweeps_drive_training_only_through_its_command():
 def test_run_files_import_only_the_error_root():
     modules = imports("opd_jax")["opd_jax/run_files.py"]
     assert {m for m in modules if m.startswith(("opd_jax", "jax", "flax", "orbax"))} == {"opd_jax.errors"}, modules
+
+
+def _package(module: str) -> str | None:
+    """The package of the table a module belongs to (opd_jax.<first part>, or rollout_bridge)."""
+    parts = module.split(".")
+    if parts[0] == "rollout_bridge":
+        return "rollout_bridge"
+    if parts[0] != "opd_jax" or len(parts) < 2:
+        return None
+    return ".".join(parts[:2])
+
+
+def package_arrows() -> dict[str, set[str]]:
+    """package -> the other packages its modules import, read off the code."""
+    arrows = defaultdict(set)
+    for root in ("opd_jax", "rollout_bridge"):
+        for file, modules in imports(root).items():
+            source = _package(file.removesuffix(".py").replace("/", "."))
+            for module in modules:
+                target = _package(module)
+                if target is not None and target != source:
+                    arrows[source].add(target)
+    return arrows
+
+
+def documented_arrows() -> dict[str, set[str]]:
+    """package -> the packages its row of the table says it may import."""
+    section = DOC.read_text().split("## What each package may import", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            table[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[1]))
+    return table
+
+
+def test_every_import_arrow_is_in_the_architecture_table_and_every_row_is_true():
+    documented, actual = documented_arrows(), package_arrows()
+    packages = {p for p in actual} | {_package(f"opd_jax.{p.stem}") for p in (ROOT / "opd_jax").iterdir()
+                                       if p.name != "__init__.py" and not p.name.startswith((".", "_"))
+                                       and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert packages - set(documented) == set(), "packages without a row in docs/architecture.md"
+    undocumented = {p: sorted(actual[p] - documented[p]) for p in actual if actual[p] - documented[p]}
+    assert not undocumented, f"imports the table does not allow (add them with why, or remove them): {undocumented}"
+    stale = {p: sorted(documented[p] - actual.get(p, set())) for p in documented if documented[p] - actual.get(p, set())}
+    assert not stale, f"arrows the table lists that the code does not have: {stale}"
+
+
+def test_k8s_uses_train_and_merge_s_public_api_only():
+    assert not offenders("opd_jax/k8s", lambda m: m.startswith(("opd_jax.train.", "opd_jax.merge.")))
+
+
+def test_the_core_does_no_io():
+    io = ("open(", "print(", ".write_text(", ".read_text(", "subprocess", "requests", "httpx")
+    found = [f"{p.relative_to(ROOT)}: {word}" for p in (ROOT / "opd_jax" / "core").rglob("*.py")
+             for word in io if word in p.read_text()]
+    assert not found, found

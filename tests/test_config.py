@@ -106,7 +106,8 @@ def test_facts_of_the_run_are_not_knobs(schema, key):
 
 
 def test_every_config_key_is_described_and_the_reference_is_current():
-    from opd_jax.config.reference import command_schemas, key_docs, reference_markdown
+    from opd_jax.config.commands import command_schemas
+    from opd_jax.config.reference import key_docs, reference_markdown
     for command, schema in command_schemas().items():
         undescribed = [d.key for d in key_docs(schema) if not d.description]
         assert not undescribed, (command, undescribed)

@@ -23,6 +23,7 @@ from opd_jax.config.schema import (
     SGLangClientSection,
     SourceSpec,
     TrainConfig,
+    check_server_source,
 )
 from opd_jax.core import OPDConfig, OptimizerConfig
 from opd_jax.core.opd import Divergence
@@ -110,12 +111,7 @@ class TeachersSection(Section):
 
     @model_validator(mode="after")
     def _engine_settings(self) -> TeachersSection:
-        servers = self.sglang
-        if self.engine == "sglang" and bool(servers.urls) == (servers.launch is not None):
-            raise ValueError("teachers.engine 'sglang' needs exactly one of teachers.sglang.urls and "
-                             "teachers.sglang.launch")
-        if self.engine == "local" and (servers.urls or servers.launch is not None):
-            raise ValueError("teachers.sglang.urls / teachers.sglang.launch are for teachers.engine 'sglang'")
+        check_server_source(self.sglang, self.engine == "sglang", "teachers.sglang", "teachers.engine")
         unknown = sorted(set(self.domains) - set(self.paths)) if self.paths else []
         if unknown:
             raise ValueError(f"teachers.domains names teachers without a path: {', '.join(unknown)}")

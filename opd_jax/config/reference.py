@@ -152,11 +152,7 @@ def reference_markdown(schemas: dict[str, type[pydantic.BaseModel]]) -> str:
     return "\n".join(parts)
 
 
-def command_schemas() -> dict[str, type[pydantic.BaseModel]]:
-    from opd_jax.config.opd_pipeline import ExpertsConfig, MergeConfig, RecipeConfig
-    from opd_jax.config.schema import TrainConfig
-    return {"train": TrainConfig, "experts": ExpertsConfig, "merge": MergeConfig, "recipe": RecipeConfig}
-
-
 if __name__ == "__main__":
+    from opd_jax.config.commands import command_schemas
+
     print(reference_markdown(command_schemas()), end="")

@@ -10,7 +10,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from opd_jax.core import OptimizerConfig, PPOConfig
 from opd_jax.data.domains import get_domain
+from opd_jax.models.config import Family
 from opd_jax.parallel import DistributedConfig, MeshConfig
+from opd_jax.rewards.verifiers import VerifierName
 
 DType = Literal["float32", "bfloat16"]
 
@@ -56,7 +58,7 @@ class FreshModel(Section):
     """A model initialised from scratch (for the synthetic domains), with the built-in
     character tokenizer; vocab_size comes from that tokenizer."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"] = "llama"
+    family: Family = "llama"
     """Architecture family: llama, qwen2 (q/k/v biases), qwen3 (q/k norm); MoE: qwen3_moe, glm4_moe (set moe)."""
     hidden_size: int = Field(128, gt=0)
     """Width of the residual stream."""
@@ -138,6 +140,17 @@ class SGLangClientSection(Section):
     """Requests in flight at once."""
     wait_for_servers_s: float = Field(0.0, ge=0)
     """Running servers (urls): how long to wait at start for one to answer its health check (a cluster's servers boot beside the trainer; 0: they must answer at once)."""  # noqa: E501
+
+
+def check_server_source(servers: Any, uses_sglang: bool, key: str, engine: str) -> None:
+    """Servers as `key` (rollout.sglang, teachers.sglang) gives them: exactly one of running
+    ones (urls) and ones to launch when the engine (`engine`: the key that chose it) is SGLang,
+    neither otherwise."""
+    if uses_sglang and bool(servers.urls) == (servers.launch is not None):
+        raise ValueError(f"{engine} 'sglang' needs exactly one of {key}.urls (running servers) and {key}.launch "
+                         f"(servers to start)")
+    if not uses_sglang and (servers.urls or servers.launch is not None):
+        raise ValueError(f"{key}.urls / {key}.launch are for {engine} 'sglang'")
 
 
 class SGLangSection(SGLangClientSection):
@@ -242,13 +255,7 @@ class RolloutSection(Section):
 
     @model_validator(mode="after")
     def _engine_settings(self) -> RolloutSection:
-        servers = self.sglang
-        if self.engine == "sglang" and bool(servers.urls) == (servers.launch is not None):
-            raise ValueError("engine 'sglang' needs exactly one of rollout.sglang.urls (running servers) and "
-                             "rollout.sglang.launch (servers to start)")
-        if self.engine == "embedded" and (servers.urls or servers.launch is not None):
-            raise ValueError("rollout.sglang.urls / rollout.sglang.launch are for engine 'sglang'; the embedded "
-                             "engine has none")
+        check_server_source(self.sglang, self.engine == "sglang", "rollout.sglang", "rollout.engine")
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError(f"rollout.overlong_buffer {self.overlong_buffer} exceeds rollout.max_new_tokens "
                              f"{self.max_new_tokens}")
@@ -290,7 +297,7 @@ class SourceSpec(Section):
     """A JSONL file of {prompt or messages, answer, domain} records."""
     eval_jsonl: str | None = None
     """Held-out prompts of a JSONL source (built-in domains draw their own)."""
-    verifier: Literal["exact", "numeric", "math"] | None = None
+    verifier: VerifierName | None = None
     """How a JSONL source's responses are judged: exact text, the last number, or math (boxed or plain answers, LaTeX, through math-verify); unset: numeric for numeric answers, else exact."""  # noqa: E501
     environment: str | None = None
     """A multi-turn environment: calculator, gridworld, search, or 'module:factory' (opd_jax.envs); held-out episodes come from its eval split."""  # noqa: E501

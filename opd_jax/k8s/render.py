@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel
 
 from opd_jax.config import ConfigError, ExpertsConfig, MergeConfig, TrainConfig, dump_config, to_plain
+from opd_jax.config.commands import command_schemas
 from opd_jax.k8s.spec import ClusterSpec, K8sError, check_label, to_label
 from opd_jax.parallel import MeshError
 from opd_jax.parallel.distributed import COORDINATOR_PORT
@@ -39,7 +40,7 @@ CONFIG_PATH = f"{CONFIG_DIR}/config.yaml"
 SERVER_PORT = 30000
 MAX_JOBSET_NAME = 50  # its pods' hostnames, <jobset>-workers-<job>-<pod>, stay within 63
 WAIT_FOR_SERVERS_S = 1800.0  # cluster servers pull their image and load their model beside the trainer
-KINDS = {"train": TrainConfig, "merge": MergeConfig, "experts": ExpertsConfig}
+KINDS = command_schemas(on_cluster=True)
 Manifest = dict[str, Any]
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opd_jax.config import TrainConfig, load_config, save_config, to_plain
+from opd_jax.config import TrainConfig, save_config, to_plain
 from opd_jax.config.opd_pipeline import ExpertsConfig
 from opd_jax.data import source_domains
 from opd_jax.errors import OpdJaxError
@@ -217,6 +217,3 @@ def run_experts(config: ExpertsConfig, *, only: str | None = None) -> Path:
     write_json(run_dir / "experts.json", manifest)
     return run_dir
 
-
-def load_experts_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExpertsConfig:
-    return load_config(path, overrides, schema=ExpertsConfig)

@@ -16,11 +16,12 @@ from typing import Any, Literal
 from opd_jax.errors import OpdJaxError
 from opd_jax.models.moe import MoEConfig
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe")
+# the families, once: each with its Hugging Face architecture name (a new family starts here)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+FAMILIES: tuple[str, ...] = tuple(_ARCHITECTURES)
+Family = Literal[FAMILIES]  # type: ignore[valid-type]
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe")
 _FAMILY_OF_ARCHITECTURE = {v: k for k, v in _ARCHITECTURES.items()}
 
 

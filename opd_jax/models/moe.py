@@ -79,10 +79,6 @@ def route(logits: jax.Array, config: MoEConfig, bias: jax.Array | None = None,
     return ids.astype(jnp.int32), gates * config.routed_scaling_factor
 
 
-def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    return jnp.einsum("ni,ih->nh", jax.nn.silu(x @ gate) * (x @ up), down)
-
-
 def experts_ragged(x: jax.Array, ids: jax.Array, gates: jax.Array, gate: jax.Array, up: jax.Array,
                    down: jax.Array) -> jax.Array:
     """Σ_j gates[n, j] · SwiGLU_{ids[n, j]}(x[n]) for x [N, H], with expert weights gate, up

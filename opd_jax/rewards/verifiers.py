@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Literal
 
 from opd_jax.plugins import import_callable
 
@@ -45,6 +46,7 @@ def math_match(response: str, answer: str) -> float:
 
 
 VERIFIERS: dict[str, Callable[[str, str], float]] = {"exact": exact_match, "numeric": numeric_match, "math": math_match}
+VerifierName = Literal[tuple(VERIFIERS)]  # type: ignore[valid-type]  (the config's choices: these, once)
 
 
 def load_reward_fn(path: str) -> RewardFn:

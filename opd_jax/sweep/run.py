@@ -33,7 +33,7 @@ from opd_jax.sweep import stats
 from opd_jax.sweep.report import write_report
 
 
-class SweepError(OpdJaxError):
+class SweepError(OpdJaxError, RuntimeError):
     """A sweep that cannot start, or runs that failed (the message names them and their logs)."""
 
 
