@@ -225,12 +225,13 @@ def train(
 def sft(
     config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A YAML config (see configs/).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in logging.run_dir from its latest checkpoint.")] = False,
 ) -> None:
     """Supervised warm start only (the config's sft section); writes a Hugging Face directory."""
     from opd_jax.train.sft import run_sft
 
     _needs_config("sft", config_file, overrides)
-    typer.echo(f"model written to {run_sft(_load(*_split_overrides(config_file, overrides)))}")
+    typer.echo(f"model written to {run_sft(_load(*_split_overrides(config_file, overrides)), resume=resume)}")
 
 
 @_command()

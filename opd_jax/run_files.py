@@ -96,6 +96,24 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
+WARM_START = "warm_start"  # `opd-jax train`'s supervised warm start: a run directory of its own inside the run's
+WARM_UP = "warm_up"  # `opd-jax merge`'s warm-up on the teachers' samples, likewise
+PHASES = {WARM_START: "warm start", WARM_UP: "warm-up"}
+
+
+def latest_checkpoint(run_dir: Path) -> str | None:
+    """The newest checkpoint a run can resume from, in words ("step 4", or "warm start step 20"
+    while only its supervised phase has checkpoints); None when it has none."""
+    steps = checkpoint_steps(run_dir)
+    if steps:
+        return f"step {steps[-1]}"
+    for directory, name in PHASES.items():
+        phase = checkpoint_steps(Path(run_dir) / directory)
+        if phase:
+            return f"{name} step {phase[-1]}"
+    return None
+
+
 def run_status(run_dir: Path) -> str | None:
     """The status run.json records (running, finished, interrupted, failed; a killed run stays
     "running"), or None where there is no run. A run is done when this says "finished"."""

@@ -83,7 +83,7 @@ def test_the_sglang_quickstart_launches_what_the_bridge_tests_launch():
 def test_sglang_engine_settings_are_checked():
     with pytest.raises(ConfigError, match="exactly one of rollout.sglang.urls"):
         load_config(None, ["rollout.engine=sglang"])
-    with pytest.raises(ConfigError, match="for engine 'sglang'"):
+    with pytest.raises(ConfigError, match="are for rollout.engine 'sglang'"):
         load_config(None, ["rollout.sglang.urls=[http://127.0.0.1:1]"])
     with pytest.raises(ConfigError, match="decode_slots is the embedded engine's"):
         load_config(None, ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]", "rollout.decode_slots=8"])

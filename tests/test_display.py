@@ -2,6 +2,7 @@
 are smoothed as TensorBoard smooths them, the warm start's loss reaches TensorBoard, and the end
 summary reports the held-out accuracy the metrics hold."""
 
+import json
 import re
 import struct
 
@@ -69,9 +70,11 @@ def _events(directory):
 def test_the_warm_start_loss_reaches_tensorboard_and_the_summary_matches_the_metrics(tmp_path):
     run_dir = train(load_config(None, [*TINY, f"logging.run_dir={tmp_path}", "steps=2", "sft.steps=3",
                                        "logging.tensorboard=true", "logging.plot=true", "logging.eval_every=2"]))
-    sft = read_metrics(run_dir / "sft_metrics.jsonl")
-    logged = {(step, round(value, 5)) for tag, step, value in _events(run_dir / "tensorboard") if tag == "sft/loss"}
-    assert logged == {(r["step"], round(r["sft/loss"], 5)) for r in sft}
+    sft = read_metrics(run_dir / "warm_start" / "metrics.jsonl")  # the warm start: a run of its own
+    logged = {(step, round(value, 5)) for tag, step, value in _events(run_dir / "warm_start" / "tensorboard")
+              if tag == "sft/loss"}
+    assert logged == {(r["step"], round(r["sft/loss"], 5)) for r in sft} and len(sft) == 3
+    assert json.loads((run_dir / "warm_start" / "run.json").read_text())["status"] == "finished"
     assert (run_dir / "curves.png").stat().st_size > 10_000
     rows = read_metrics(run_dir / "metrics.jsonl")
     summary = run_summary(run_dir, {"setup": 1.0, "steps": 65.0})

@@ -189,7 +189,7 @@ def test_teachers_samples_are_the_teachers_own(models, tmp_path):
     written = [json.loads(line) for line in (run_dir / "teacher_samples.jsonl").read_text().splitlines()]
     assert [(w["teacher"], w["response"]) for w in written] == \
         [(plan.teacher_names[k], tokenizer.decode(list(t.response_ids))) for t, k in zip(pool.trajectories, index)]
-    losses = [json.loads(line)["sft/loss"] for line in (run_dir / "warmup_metrics.jsonl").read_text().splitlines()]
+    losses = [json.loads(line)["sft/loss"] for line in (run_dir / "warm_up" / "metrics.jsonl").read_text().splitlines()]
     first, _, _ = pool.batch(pool_rows(24, 24, cfg.seed, 0, warmup=True), tokenizer.pad_token_id)
     logp = np.asarray(teacher_scores(*nnx.split(student, nnx.Param), first, loss="sampled")["logp_teacher"])
     mask = np.asarray(first.response_mask)

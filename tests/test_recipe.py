@@ -76,7 +76,7 @@ def test_killed_in_every_phase_the_recipe_ends_as_an_uninterrupted_one(tmp_path)
     killed = tmp_path / "killed"
     experts, merge_dir = killed / "experts", killed / "merge"
     kills = {  # each phase, in turn: the run is killed there, then started again
-        "base warm start": lambda: (experts / "base" / "sft_metrics.jsonl").exists(),
+        "base warm start": lambda: (experts / "base" / "warm_start" / "metrics.jsonl").exists(),
         "an expert's RL": lambda: bool(checkpoint_steps(experts / "experts" / "max")),
         "the merge's steps": lambda: bool(checkpoint_steps(merge_dir)),
         "the merge's export": lambda: (merge_dir / "student").exists(),

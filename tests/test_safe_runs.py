@@ -26,7 +26,7 @@ from opd_jax.config import load_config
 from opd_jax.train import train
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.metrics import read_metrics
-from opd_jax.train.run_dir import RunDirectory, checkpoint_steps, lock
+from opd_jax.train.run_dir import checkpoint_steps, lock
 
 # with pytest-xdist, one worker runs every test of conftest's straight_run (computed once per worker)
 pytestmark = pytest.mark.xdist_group("straight_run")
@@ -209,14 +209,29 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(straight, 
     assert_same_run(straight, run_dir)
 
 
-def test_sigint_during_the_warm_start_stops_and_the_run_can_start_over(tmp_path):
+def test_sigint_during_the_warm_start_checkpoints_it_and_the_resume_continues_it_exactly(tmp_path):
+    """The warm start is a run of the one loop (RUN_DIR/warm_start/): a SIGINT in it saves its
+    checkpoint at the step boundary; `--resume` continues it where it stopped and then trains;
+    its losses equal those of `opd-jax sft` run straight to the same step, bit for bit."""
     run_dir = tmp_path / "run"
-    stopped = _signal_run(run_dir, signal.SIGINT, "sft_metrics.jsonl", "sft.steps=100000")
+    stopped = _signal_run(run_dir, signal.SIGINT, "warm_start/metrics.jsonl", "sft.steps=100000")
     assert stopped.returncode == 128 + signal.SIGINT and "Traceback" not in stopped.stderr, stopped.stderr
     last = stopped.stderr.strip().splitlines()[-1]
-    assert last.startswith("stopped: SIGINT during the warm start (SFT step ") and "no checkpoint yet" in last, last
-    one_line_error(cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume"), "holds no checkpoint")
-    RunDirectory(run_dir, "train").open(resume=False).close("failed")  # a new attempt may start here
+    assert last.startswith("stopped: SIGINT after warm start step "), last
+    k = int(last.split("after warm start step ")[1].split()[0])
+    assert checkpoint_steps(run_dir / "warm_start") == [k] and checkpoint_steps(run_dir) == []
+    assert "--resume" in last.split("continue with: ")[1]
+    one_line_error(cli("train", *RUN, f"logging.run_dir={run_dir}"), "already holds checkpoints (latest: warm start "
+                   f"step {k}); pass --resume")
+    resumed = cli("train", *RUN, f"logging.run_dir={run_dir}", f"sft.steps={k + 1}", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    straight = tmp_path / "sft"
+    done = cli("sft", *RUN, f"logging.run_dir={straight}", f"sft.steps={k + 1}")
+    assert done.exit_code == 0, done.output
+    ours, theirs = (read_metrics(d / "metrics.jsonl") for d in (run_dir / "warm_start", straight))
+    assert [r["step"] for r in ours] == list(range(1, k + 2))
+    assert [r["sft/loss"] for r in ours] == [r["sft/loss"] for r in theirs]
 
 
 def _truncate(file: Path) -> None:

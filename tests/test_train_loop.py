@@ -36,7 +36,7 @@ def test_reward_rises_on_an_easy_domain(tmp_path):
     assert np.mean(rewards[-10:]) > np.mean(rewards[:10]) + 0.08, rewards
     assert after > before + 0.08, (before, after)
     assert all(np.isfinite(r["policy/loss"]) and np.isfinite(r["critic/loss"]) for r in rows[1:])
-    assert (run / "config.yaml").exists() and (run / "sft_metrics.jsonl").exists()
+    assert (run / "config.yaml").exists() and (run / "warm_start" / "metrics.jsonl").exists()
 
 
 def final_params(run_dir, like):

@@ -163,7 +163,7 @@ class TeacherSamplesSection(Section):
     pool instead of the student's own samples (0: on-policy only; 1: the teachers' samples only)."""
     warmup: SFTSection = SFTSection()
     """Supervised steps on the pool before the first OPD step (MOPD; steps 0: none). Cross-entropy
-    on the teacher's response tokens; not resumable (a kill in it starts the warm-up over)."""
+    on the teacher's response tokens; a run of its own in RUN_DIR/warm_up/ (checkpointed and resumed as every run)."""
 
     @property
     def enabled(self) -> bool:

@@ -42,7 +42,7 @@ from opd_jax.core.opd import (
     select_teacher,
     top_k_support,
 )
-from opd_jax.core.opd_step import DISTILL_LOSSES, DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
+from opd_jax.core.opd_step import DISTILL_LOSSES, PER_TEACHER_KL, DistillBatch, OPDConfig, opd_step, score_student, teacher_scores
 from opd_jax.core.optim import OptimizerConfig, make_optimizer
 from opd_jax.core.ppo import KLConfig, PPOConfig, PPOState, advantages_and_returns, ppo_step, score_batch
 from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, POLICY_LOSSES, AdvantageInputs, part
@@ -51,12 +51,13 @@ from opd_jax.core.state import PolicyState
 from opd_jax.core.update import UpdateConfig
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageInputs", "BatchError", "DISTILL_LOSSES", "DIVERGENCES", "DistillBatch",
-           "KLConfig", "MISMATCH_CORRECTIONS", "MismatchCorrection", "OPDConfig", "OptimizerConfig", "POLICY_LOSSES",
-           "PPOConfig", "PPOState", "PolicyState", "RolloutBatch", "SurrogateConfig", "UpdateConfig",
-           "advantages_and_returns", "aggregate", "balance_weights", "divergence", "full_support", "gae",
-           "group_advantages", "icepop_weights", "kl_estimate", "length_adaptive_lambda", "loss_denominator",
-           "make_optimizer", "mismatch_metrics", "mismatch_weights", "opd_advantages", "opd_step", "outcome_rewards",
-           "part", "policy_logprobs", "policy_loss", "ppo_step", "reinforce_pp_advantages", "reverse_kl_advantage",
-           "rloo_advantages", "running_divergence", "score_batch", "score_student", "select_teacher",
-           "sequence_logits", "sequence_logprobs", "sequence_values", "sft_step", "shift_right", "teacher_scores",
-           "tis_weights", "token_logprobs", "top_k_support", "validate_batch", "value_loss", "whiten"]
+           "KLConfig", "MISMATCH_CORRECTIONS", "MismatchCorrection", "OPDConfig", "OptimizerConfig",
+           "PER_TEACHER_KL", "POLICY_LOSSES", "PPOConfig", "PPOState", "PolicyState", "RolloutBatch",
+           "SurrogateConfig", "UpdateConfig", "advantages_and_returns", "aggregate", "balance_weights", "divergence",
+           "full_support", "gae", "group_advantages", "icepop_weights", "kl_estimate", "length_adaptive_lambda",
+           "loss_denominator", "make_optimizer", "mismatch_metrics", "mismatch_weights", "opd_advantages",
+           "opd_step", "outcome_rewards", "part", "policy_logprobs", "policy_loss", "ppo_step",
+           "reinforce_pp_advantages", "reverse_kl_advantage", "rloo_advantages", "running_divergence", "score_batch",
+           "score_student", "select_teacher", "sequence_logits", "sequence_logprobs", "sequence_values", "sft_step",
+           "shift_right", "teacher_scores", "tis_weights", "token_logprobs", "top_k_support", "validate_batch",
+           "value_loss", "whiten"]

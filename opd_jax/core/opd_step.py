@@ -54,6 +54,7 @@ from opd_jax.core.update import (
     summed_loss,
 )
 
+PER_TEACHER_KL = "opd/reverse_kl_per_teacher"  # the metric: [num_teachers], each teacher's sampled reverse KL
 DistillLoss = Literal["sampled", "full", "top_k"]
 DISTILL_LOSSES: tuple[str, ...] = DistillLoss.__args__  # type: ignore[attr-defined]
 
@@ -229,7 +230,7 @@ def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teache
     stats = {
         **batch_statistics(rollout.rewards, m, rollout.logp_old, rollout.logp_infer, token_inputs, correction),
         "opd/reverse_kl": -jnp.sum(distill * on_policy) / n,
-        **{f"opd/reverse_kl/teacher{k}": per_teacher_kl[k] for k in range(num_teachers)},
+        PER_TEACHER_KL: per_teacher_kl,  # [num_teachers]
     }
     if batch.off_policy is not None:  # the engine/trainer mismatch exists only on the student's own samples
         stats.update(mismatch_metrics(rollout.logp_old, rollout.logp_infer, student_tokens, correction))
@@ -300,7 +301,7 @@ def opd_step(state: PolicyState, batch: DistillBatch, *, config: OPDConfig, grou
     divergences: each teacher's own divergence for loss full / top_k (None: config.divergence for all).
     Metrics are combined over the epochs × mini-batches updates (maxima kept): "student/*" from the
     updates, and batch statistics: the sampled reverse KL to the teachers ("opd/reverse_kl", and
-    per teacher "opd/reverse_kl/teacher<k>"), reward, length, mismatch."""
+    per teacher as one array [num_teachers], PER_TEACHER_KL), reward, length, mismatch."""
     if group_size < 1 or num_teachers < 1 or temperature <= 0:
         raise ValueError(f"opd_step needs group_size >= 1, num_teachers >= 1 and temperature > 0, got "
                          f"{group_size}, {num_teachers}, {temperature}")

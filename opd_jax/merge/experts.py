@@ -99,7 +99,7 @@ def _build_base(config: ExpertsConfig, directory: Path, summary_path: Path) -> d
     began = time.perf_counter()
     policy, tokenizer = build_model(cfg.model)
     if cfg.sft.steps:
-        policy = warm_start(policy, tokenizer, cfg, directory / "sft_metrics.jsonl")
+        policy = warm_start(policy, tokenizer, cfg, directory)
     model_dir = save_model(policy, directory / "model", tokenizer)
     trained = time.perf_counter() - began
     evaluator = held_out_evaluator(tokenizer, policy, cfg.rollout, cfg.data)

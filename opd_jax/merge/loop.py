@@ -22,6 +22,7 @@ import numpy as np
 
 from opd_jax.config import MergeConfig, ModelSection, scoring_temperature
 from opd_jax.core import (
+    PER_TEACHER_KL,
     DistillBatch,
     PolicyState,
     balance_weights,
@@ -38,25 +39,20 @@ from opd_jax.merge.teacher_samples import TeacherPool, draw_pool, pool_rows, poo
 from opd_jax.merge.teachers import Teachers, build_teachers
 from opd_jax.models import Decoder, save_model
 from opd_jax.models.grow import grow
-from opd_jax.train import build_model, check_run_inputs, run, say, supervised_steps
+from opd_jax.train import (
+    WARM_UP,
+    SupervisedTask,
+    Task,
+    build_model,
+    check_run_inputs,
+    checkpoint_steps,
+    run,
+    say,
+    supervised_phase,
+)
 
 
-def name_teachers(metrics: dict[str, float], names: list[str], present: set[int]) -> dict[str, float]:
-    """opd/reverse_kl/teacher<k> -> opd/reverse_kl/<name of teacher k>, for the teachers that had
-    rows in this batch (the others have no tokens to average over)."""
-    prefix = "opd/reverse_kl/teacher"
-    out = {}
-    for key, value in metrics.items():
-        if key.startswith(prefix):
-            k = int(key[len(prefix):])
-            if k in present:
-                out[f"opd/reverse_kl/{names[k]}"] = value
-        else:
-            out[key] = value
-    return out
-
-
-class OPDTask:
+class OPDTask(Task):
     """The student (the experts' base unless the config names one), its teachers (local on the
     mesh, or SGLang servers), `opd_step`; at the end the student and the report."""
 
@@ -107,7 +103,7 @@ class OPDTask:
             say("teachers' samples: " + ", ".join(f"{d} {self.pool.kept[d]}/{n}" for d, n in self.pool.drawn.items())
                 + " kept")
             timed["teacher samples"] = time.perf_counter() - began
-            if self.config.teacher_samples.warmup.steps and not resuming:
+            if self.config.teacher_samples.warmup.steps and not (resuming and checkpoint_steps(run_dir)):
                 began = time.perf_counter()
                 self.policy = self.warm_up(mesh, run_dir)
                 timed["warm-up"] = time.perf_counter() - began
@@ -123,8 +119,9 @@ class OPDTask:
 
         def batches(step: int):
             return self.pool.batch(pool_rows(size, section.batch_size, self.config.seed, step, warmup=True), pad)[0]
-        return supervised_steps(self.policy, batches, section, mesh, run_dir / "warmup_metrics.jsonl",
-                                progress_bar=self.config.logging.progress_bar, what="warm-up on the teachers' samples")
+        task = SupervisedTask(section, batches, self.policy, self.tokenizer, self.data,
+                              description="warm-up on the teachers' samples")
+        return supervised_phase(self.config, task, run_dir / WARM_UP)
 
     def create_state(self) -> PolicyState:
         return PolicyState.create(self.policy, make_optimizer(self.config.optimizer))
@@ -163,19 +160,23 @@ class OPDTask:
     def dump_fields(self, scored, extra: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in extra.items() if getattr(v, "ndim", 0) == 2}  # the teachers' per-token scores
 
-    def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
+    def name_metrics(self, metrics: dict[str, Any], extra: dict[str, Any]) -> dict[str, float]:
+        """Each teacher's sampled reverse KL under its name (for the teachers with rows in this
+        batch: the others have no tokens to average over); the running divergences updated."""
         # the sampled reverse KL exists only on the student's own samples: a pool step has none
         present = set() if self.pool_step else set(np.asarray(extra["teacher_index"]).tolist())
         names = self.plan.teacher_names
+        observed = np.asarray(metrics.pop(PER_TEACHER_KL), np.float32)
+        metrics = {**super().name_metrics(metrics, extra),
+                   **{f"opd/reverse_kl/{names[k]}": float(observed[k]) for k in sorted(present)}}
         if self.config.teacher_samples.fraction > 0:
             metrics["opd/pool_step"] = float(self.pool_step)
         if self.config.balance.enabled:
             # the weights this step trained with (extra_inputs's), then this step's divergences folded in
             metrics.update({f"opd/balance_weight/{name}": float(w) for name, w in zip(names, self.balance_weights())})
-            observed = np.array([metrics[f"opd/reverse_kl/teacher{k}"] for k in range(len(names))], np.float32)
             self.running = np.asarray(running_divergence(self.running, observed, np.isin(np.arange(len(names)), list(present)),
                                                          self.config.balance.decay), np.float32)
-        return name_teachers(metrics, names, present)
+        return metrics
 
     def resume_state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the state: the running divergences (NaN: not seen yet)."""

@@ -4,7 +4,7 @@ the supervised warm start, checkpoints, metrics, evaluation and the rollout engi
 This is train's public API: the shells above it (`opd_jax.merge`, sweeps, recipes) import from
 here and nowhere deeper."""
 
-from opd_jax.run_files import checkpoint_steps, run_status, write_json
+from opd_jax.run_files import WARM_START, WARM_UP, checkpoint_steps, run_status, write_json
 from opd_jax.train.batching import rollout_rewards, trajectories_to_batch
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.checkpoint import Checkpoints
@@ -17,10 +17,11 @@ from opd_jax.train.metrics import read_metrics
 from opd_jax.train.preflight import check_run_inputs
 from opd_jax.train.run_dir import lock
 from opd_jax.train.runner import Task, run
-from opd_jax.train.sft import supervised_steps, warm_start
+from opd_jax.train.sft import SupervisedTask, supervised_phase, warm_start
 from opd_jax.train.signals import stop_if_requested
 
-__all__ = ["INITIAL_WEIGHTS", "Checkpoints", "HeldOutEvaluator", "PPOTask", "RunError", "Task", "build_critic",
-           "build_model", "check_run_inputs", "checkpoint_steps", "held_out_evaluator", "lock", "memory_report",
-           "read_metrics", "run", "rollout_rewards", "run_status", "say", "sglang_engine", "sglang_server_flags",
-           "stop_if_requested", "supervised_steps", "train", "trajectories_to_batch", "warm_start", "write_json"]
+__all__ = ["Checkpoints", "HeldOutEvaluator", "INITIAL_WEIGHTS", "PPOTask", "RunError", "SupervisedTask", "Task",
+           "WARM_START", "WARM_UP", "build_critic", "build_model", "check_run_inputs", "checkpoint_steps",
+           "held_out_evaluator", "lock", "memory_report", "read_metrics", "rollout_rewards", "run", "run_status",
+           "say", "sglang_engine", "sglang_server_flags", "stop_if_requested", "supervised_phase", "train",
+           "trajectories_to_batch", "warm_start", "write_json"]

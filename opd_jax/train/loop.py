@@ -18,9 +18,10 @@ import jax
 from opd_jax.config import TrainConfig, scoring_temperature
 from opd_jax.core import PPOState, advantages_and_returns, make_optimizer, ppo_step, score_batch
 from opd_jax.models import save_model
+from opd_jax.run_files import checkpoint_steps
 from opd_jax.train.build import build_critic, build_model
 from opd_jax.train.preflight import check_run_inputs
-from opd_jax.train.runner import run
+from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import warm_start
 
 __all__ = ["PPOTask", "memory_report", "train"]
@@ -37,7 +38,7 @@ def memory_report(state: PPOState) -> dict[str, float | bool]:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-class PPOTask:
+class PPOTask(Task):
     """PPO with a learned critic (or the GRPO baseline): the policy from the model section (and
     the supervised warm start on a new run), the critic on its backbone, `ppo_step`."""
 
@@ -61,12 +62,13 @@ class PPOTask:
                          max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
+        """The policy; on a run without RL checkpoints yet, warm-started first (RUN_DIR/warm_start/,
+        a run of its own: a stop in it keeps its checkpoint and `--resume` continues it)."""
         self.policy, self.tokenizer = build_model(self.config.model)
-        if resuming or not self.config.sft.steps:
+        if (resuming and checkpoint_steps(run_dir)) or not self.config.sft.steps:
             return {}
         began = time.perf_counter()
-        self.policy = warm_start(self.policy, self.tokenizer, self.config, run_dir / "sft_metrics.jsonl",
-                                 restart_hint="run the same command again (without --resume)")
+        self.policy = warm_start(self.policy, self.tokenizer, self.config, run_dir)
         return {"warm start": time.perf_counter() - began}
 
     def create_state(self) -> PPOState:
@@ -80,40 +82,23 @@ class PPOTask:
     def policy_params(self, state: PPOState):
         return state.policy
 
-    def supplied_batch(self, step: int) -> None:
-        return None  # PPO trains on its own rollouts only
-
-    def extra_inputs(self, batch, rollouts) -> dict[str, Any]:
-        return {}
-
-    def step_input(self, scored, extra: dict[str, Any]):
-        return scored
-
     def dump_fields(self, scored, extra: dict[str, Any]) -> dict[str, Any]:
         advantages, returns = self._advantages(scored)
         return {"advantages": advantages, **({} if returns is None else {"returns": returns})}
 
-    def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
+    def name_metrics(self, metrics: dict[str, Any], extra: dict[str, Any]) -> dict[str, float]:
+        metrics = super().name_metrics(metrics, extra)
         if metrics.get("policy/trained", 1.0):
             return metrics
         # During the critic's warm-up the policy's update is skipped and its metrics are the zeros
         # the step fills in: they are not measurements, and would read as a collapsed entropy.
         return {k: v for k, v in metrics.items() if not k.startswith("policy/") or k == "policy/trained"}
 
-    def resume_state(self) -> dict[str, Any]:
-        return {}
-
-    def restore(self, saved: dict[str, Any]) -> None:
-        pass
-
     def finish(self, state: PPOState, run_dir: Path, phases: dict[str, float]) -> None:
         with (run_dir / "memory.json").open("w") as f:
             json.dump(memory_report(state), f)
         if self.config.checkpoint.export_hf:
             save_model(state.policy_model(), run_dir / "hf_policy", self.tokenizer)
-
-    def close(self) -> None:
-        pass
 
 
 def train(config: TrainConfig, *, resume: bool = False, force: bool = False, stop_after: int | None = None) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from opd_jax.run_files import WARM_START
 from opd_jax.train.console import progress, restart_clock
 
 _BAR_KEYS = {"reward": "reward_mean", "eval": "eval/accuracy", "tok/s": "rollout/tokens_per_s",
@@ -32,9 +33,6 @@ class MetricsLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-            if start_step == 0 and (run_dir / "sft_metrics.jsonl").exists():
-                for row in read_metrics(run_dir / "sft_metrics.jsonl"):
-                    self.writer.add_scalar("sft/loss", row["sft/loss"], row["step"])
         self.bar = progress(total_steps, description, initial=start_step, enabled=progress_bar)
         self.last: dict[str, float] = {}
         self.shown: set[str] = set()  # bar fields that were ever non-zero (an always-zero field says nothing)
@@ -96,8 +94,8 @@ def plot_curves(metrics_path: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    sft_path = metrics_path.parent / "sft_metrics.jsonl"
-    sft = read_metrics(sft_path) if sft_path.exists() else []
+    sft_path = metrics_path.parent / WARM_START / "metrics.jsonl"
+    sft = [r for r in read_metrics(sft_path) if "sft/loss" in r] if sft_path.exists() else []
     fig, axes = plt.subplots(1, 3 if sft else 2, figsize=(16 if sft else 11, 4))
     if sft:
         steps, loss = [r["step"] for r in sft], [r["sft/loss"] for r in sft]
@@ -141,6 +139,10 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
         lines.append(f"{'held-out accuracy':<{width}}{'step ' + str(first['step']):>10}{'step ' + str(last['step']):>10}")
         for key in keys:
             lines.append(f"{'  ' + names[key]:<{width}}{first.get(key, float('nan')):>10.3f}{last[key]:>10.3f}")
+    elif any("sft/loss" in r for r in rows):  # a supervised run: no engine, no held-out evaluation
+        losses = [r["sft/loss"] for r in rows if "sft/loss" in r]
+        lines.append(f"cross-entropy: {losses[0]:.4g} at step 1, {losses[-1]:.4g} at step {len(losses)} "
+                     f"(last 10 steps: {float(np.mean(losses[-10:])):.4g})")
     else:
         lines.append("held-out accuracy: none (no held-out prompts)")
     steps = [r for r in rows if "mismatch_abs_logp_diff" in r]

@@ -29,6 +29,7 @@ from opd_jax.run_files import (  # noqa: F401 (lock, checkpoint_steps: re-export
     acquire_lock,
     announce_holder,
     checkpoint_steps,
+    latest_checkpoint,
     lock,
     now,
 )
@@ -68,9 +69,14 @@ class RunDirectory:
             self.manifest["attempts"] = attempts = []
         self.manifest.update(command=self.command, status="running")
         attempts.append({"started": now(), "pid": os.getpid(), "host": socket.gethostname(),
-                         "argv": sys.argv, "resumed_from": checkpoint_steps(self.path)[-1] if resume else None})
+                         "argv": sys.argv, "resumed_from": self._resumed_from() if resume else None})
         self._write_manifest()
         return self
+
+    def _resumed_from(self) -> int | str | None:
+        """The step a resume continues from ("warm start step k" while only the warm start has one)."""
+        steps = checkpoint_steps(self.path)
+        return steps[-1] if steps else latest_checkpoint(self.path)
 
     def _read_manifest(self) -> dict[str, Any]:
         path = self.path / MANIFEST
@@ -84,21 +90,21 @@ class RunDirectory:
 
     def _check(self, resume: bool) -> None:
         owner, status = self.manifest.get("command"), self.manifest.get("status")
-        steps = checkpoint_steps(self.path)
+        latest = latest_checkpoint(self.path)
         where = str(self.path)
         if owner is not None and owner != self.command:
             raise RunDirError(f"{where} holds an `opd-jax {owner}` run ({status}); `opd-jax {self.command}` will not "
                               f"write into it: choose another logging.run_dir")
         if resume:
-            if not steps:
+            if latest is None:
                 raise RunDirError(f"{where} holds no checkpoint: nothing to resume (the run stopped before its "
                                   f"first one); start it again without --resume")
             return
         if status == "finished":
             raise RunDirError(f"{where} holds a finished `opd-jax {self.command}` run; choose another "
                               f"logging.run_dir (or --resume with more steps to train it further)")
-        if steps:
-            raise RunDirError(f"{where} already holds checkpoints (latest: step {steps[-1]}); pass --resume to "
+        if latest is not None:
+            raise RunDirError(f"{where} already holds checkpoints (latest: {latest}); pass --resume to "
                               f"continue it or choose another logging.run_dir")
         if owner is None and (self.path / "metrics.jsonl").exists():
             raise RunDirError(f"{where} holds the files of an earlier run; choose another logging.run_dir")

@@ -20,12 +20,13 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from opd_jax.config import ConfigError, DataSection, config_changes, dump_config, fixed_on_resume
@@ -43,7 +44,7 @@ from opd_jax.parallel import (
     sharded_step,
     tree_shardings,
 )
-from opd_jax.run_files import checkpoint_steps
+from opd_jax.run_files import checkpoint_steps, latest_checkpoint
 from opd_jax.train import signals
 from opd_jax.train.batching import packed_for
 from opd_jax.train.checkpoint import CheckpointMismatch, Checkpoints
@@ -55,20 +56,31 @@ from opd_jax.train.rollouts import RolloutSession
 from opd_jax.train.run_dir import RunDirectory
 
 
-class Task(Protocol):
+class Task:
     """The algorithm-specific parts of a run. `check_inputs` is called first, before anything is
     built or written; `setup` once the run directory is claimed and before any state exists; the
-    other methods after it."""
+    other methods after it. A task sets the members without a default (command, step_fn, update;
+    policy, tokenizer and data by setup at the latest) and implements setup, create_state and
+    policy_params; everything else has its default here."""
 
-    command: str  # the CLI command that runs it ("train", "merge"): the owner of its run directory
+    command: str  # the CLI command that runs it ("train", "merge", "sft"): the owner of its run directory
+    description: str | None = None  # the progress bar's label (default: the command)
     policy: Decoder  # the model the rollout engine serves (its graph; parameters come from the state)
     tokenizer: Tokenizer
-    data: DataSection  # the prompts the policy samples on
-    scoring_fn: Any  # (state, RolloutBatch) -> RolloutBatch with θ_old filled (pure; the runner jits it)
-    step_fn: Any  # (state, step input) -> (state, metrics) (pure; the runner jits it)
-    nonfinite_inputs: str  # what the step's "nonfinite_inputs" counts, for the error message
-    replays_routing: bool  # a MoE policy trains on the engine's experts: the engine must record them
+    data: DataSection  # the prompts the policy samples on (and the held-out sets)
+    step_fn: Callable[[Any, Any], tuple[Any, dict[str, jax.Array]]]  # (state, step input) -> (state, metrics); pure
     update: UpdateConfig  # how the step updates (its splits of the batch, packing)
+    # (state, RolloutBatch) -> RolloutBatch with θ_old filled (pure; the runner jits it); None: none
+    scoring_fn: Callable[[Any, Any], Any] | None = None
+    uses_engine = True  # samples its own rollouts (refits, held-out evaluation); False: every batch is supplied
+    replays_routing = False  # a MoE policy trains on the engine's experts: the engine must record them
+    nonfinite_inputs = "inputs"  # what the step's non-finite count counts, for the error message
+
+    rows_key = "data.prompts_per_step × rollout.samples_per_prompt"  # the keys that set rows_per_step
+
+    def rows_per_step(self, config: Any) -> int:
+        """Rows of a step's batch (they must split over the mesh's data-parallel shards)."""
+        return config.data.prompts_per_step * config.rollout.samples_per_prompt
 
     def check_inputs(self) -> None:
         """Every input (models, data files, reward function, ...) checked without loading weights:
@@ -76,30 +88,55 @@ class Task(Protocol):
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         """Build models (and on a new run, warm-start); returns {phase: wall seconds} of what it timed."""
+        raise NotImplementedError
 
     def create_state(self) -> Any:
         """The train state as a new run starts it (a resumed run restores over it)."""
+        raise NotImplementedError
 
-    def policy_params(self, state: Any) -> nnx.State: ...
+    def policy_params(self, state: Any) -> nnx.State:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        """The policy's vocabulary (token ids of a batch are checked against it)."""
+        return self.policy.config.vocab_size
+
+    @property
+    def trainer_dtype(self) -> str:
+        """The precision the trainer computes in (the engine's is compared with it)."""
+        return str(jnp.dtype(self.policy.backbone.compute_dtype))
 
     def supplied_batch(self, step: int) -> tuple[Any, list[Trajectory], dict[str, float]] | None:
         """A batch the task gives step `step` (0-based) in place of the policy's own rollouts (the
-        merge's teacher samples), as (batch, trajectories, metrics); None: the rollout session's."""
+        merge's teacher samples, demonstrations), as (batch, trajectories, metrics); None: the
+        rollout session's."""
+        return None
 
     def extra_inputs(self, batch: Any, rollouts: list[Trajectory]) -> dict[str, Any]:
         """Per-row arrays the step needs besides the scored batch (teacher scores, ...), on the host."""
+        return {}
+
+    def step_input(self, scored: Any, extra: dict[str, Any]) -> Any:
+        return scored
 
     def dump_fields(self, scored: Any, extra: dict[str, Any]) -> dict[str, Any]:
         """Per-token arrays [B, T] worth seeing beside each dumped trajectory (advantages, ...)."""
+        return {}
 
-    def step_input(self, scored: Any, extra: dict[str, Any]) -> Any: ...
+    def name_metrics(self, metrics: dict[str, np.ndarray], extra: dict[str, Any]) -> dict[str, float]:
+        """The step's metrics (host arrays) as logged, one number per name; a task that keeps
+        running statistics across steps (the merge's domain balancing) folds this step's in here."""
+        return {k: float(v) for k, v in metrics.items()}
 
-    def name_metrics(self, metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, float]:
-        """The step's metrics as logged (named); a task that keeps running statistics across steps
-        (the merge's domain balancing) folds this step's in here."""
+    def check_finite(self, step: int, metrics: dict[str, float]) -> None:
+        """RunError when the step's inputs held non-finite numbers."""
+        if metrics.get("nonfinite_inputs"):
+            raise RunError(f"step {step}: {int(metrics['nonfinite_inputs'])} non-finite {self.nonfinite_inputs}")
 
     def resume_state(self) -> dict[str, Any]:
         """What a checkpoint must hold of the task's own running statistics (JSON)."""
+        return {}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Take back `resume_state()`'s dict from the checkpoint a run resumes from."""
@@ -107,7 +144,8 @@ class Task(Protocol):
     def finish(self, state: Any, run_dir: Path, phases: dict[str, float]) -> None:
         """Export and report (process 0 only; the runner calls it after the last step)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what setup acquired (teachers' servers, ...)."""
 
 
 def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
@@ -123,11 +161,11 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
     with a checkpoint (`Interrupted`)."""
     began = time.perf_counter()
     initialize_distributed(config.distributed)
-    rows = config.data.prompts_per_step * config.rollout.samples_per_prompt
+    rows = task.rows_per_step(config)
     mesh = make_mesh(config.mesh)
     if rows % batch_shards(mesh):
-        raise MeshError(f"{rows} rollouts per step (data.prompts_per_step × rollout.samples_per_prompt) do not "
-                        f"split over the mesh's {batch_shards(mesh)} data-parallel shards: use a multiple")
+        raise MeshError(f"{rows} rows per step ({task.rows_key}) do not split over the mesh's {batch_shards(mesh)} "
+                        f"data-parallel shards: use a multiple")
     task.check_inputs()
     run_dir = Path(config.logging.run_dir)
     directory = RunDirectory(run_dir, task.command)
@@ -158,14 +196,14 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
 
 def _continue_hint(run_dir: Path) -> str:
     """How to go on from what the run directory holds now."""
-    steps = checkpoint_steps(run_dir)
-    if steps:
-        return f"the latest checkpoint is step {steps[-1]}; continue with: {_resume_command()}"
+    latest = latest_checkpoint(run_dir) or latest_checkpoint(run_dir.parent)  # a warm start's: its run's
+    if latest is not None:
+        return f"the latest checkpoint is {latest}; continue with: {_resume_command()}"
     return "no checkpoint yet; to start over, run the same command again"
 
 
 def _check_resumable(config: Any, directory: RunDirectory, force: bool) -> None:
-    latest = checkpoint_steps(directory.path)[-1]
+    latest = (checkpoint_steps(directory.path) or [0])[-1]  # 0: only the warm start has checkpoints
     if latest >= config.steps and directory.manifest.get("status") == "finished":
         raise RunDirError(f"{directory.path} has run {latest} of {config.steps} steps: nothing to resume (raise steps "
                           f"to train further)")
@@ -217,22 +255,23 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
         for name, seconds in timed.items():
             _add(phases, name, seconds)
         state, meta, start = task.create_state(), None, 0
-        if resume:
+        if resume and checkpoint_steps(run_dir):  # (none yet: only a warm start was resumed, in setup)
             try:
                 start, state, meta = checkpoints.restore_latest(state)
             except CheckpointMismatch as e:
                 raise CheckpointMismatch(f"{e}{_changed_since(config, directory)}") from None
             task.restore(meta.get("task", {}))
             say(f"resuming {run_dir} from step {start}")
+        if resume:
             directory.record_config(dump_config(config))
         state = shard(state, tree_shardings(state, mesh))
-        session = RolloutSession(rollout=config.rollout, data=task.data, seed=config.seed, policy=task.policy,
-                                 params=task.policy_params(state), tokenizer=task.tokenizer, run_dir=run_dir,
-                                 version=start, resume=meta, record_routing=task.replays_routing)
-        directory.note(engine=session.mismatch_sources(str(jnp.dtype(task.policy.backbone.compute_dtype)),
-                                                       replays_routing=task.replays_routing))
+        if task.uses_engine:
+            session = RolloutSession(rollout=config.rollout, data=task.data, seed=config.seed, policy=task.policy,
+                                     params=task.policy_params(state), tokenizer=task.tokenizer, run_dir=run_dir,
+                                     version=start, resume=meta, record_routing=task.replays_routing)
+            directory.note(engine=session.mismatch_sources(task.trainer_dtype, replays_routing=task.replays_routing))
         log = MetricsLog(run_dir, config.steps, start, tensorboard=config.logging.tensorboard,
-                         progress_bar=config.logging.progress_bar, description=task.command)
+                         progress_bar=config.logging.progress_bar, description=task.description or task.command)
         try:
             state = _steps(config, task, state, session, mesh, log, checkpoints, start, phases, stop_after, run_dir,
                            unlogged=(meta or {}).get("unlogged"))
@@ -285,22 +324,23 @@ def _write_phases(run_dir: Path, phases: dict[str, float]) -> None:
         (run_dir / _PHASES).write_text(json.dumps(phases, indent=1))
 
 
-def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: jax.sharding.Mesh, log: MetricsLog,
+def _steps(config: Any, task: Task, state: Any, session: RolloutSession | None, mesh: jax.sharding.Mesh, log: MetricsLog,
            checkpoints: Checkpoints, start: int, phases: dict[str, float], stop_after: int | None,
            run_dir: Path, unlogged: dict[str, float] | None = None) -> Any:
     """The steps from `start`; `unlogged`: the metrics of step `start` that a stop during its
-    held-out evaluation kept in the checkpoint instead of the log (evaluated and logged first)."""
-    vocab = task.policy.config.vocab_size
+    held-out evaluation kept in the checkpoint instead of the log (evaluated and logged first).
+    Without a session (a task that supplies every batch) nothing is refitted or evaluated."""
     score_fn = step_fn = None
     asked_to_stop = lambda: signals.requested() is not None  # noqa: E731
-    if start == 0 and config.logging.eval_at_start:
+    sampled = (lambda: session.state()) if session is not None else dict  # what a checkpoint keeps of the session
+    if session is not None and start == 0 and config.logging.eval_at_start:
         log.note("held-out evaluation")
         with _timed(phases, "evaluation"):
             try:
                 log.log(0, session.evaluate(0, stop=asked_to_stop), advance=False)
             except EvaluationStopped:  # keep the starting point (a warm start's work): step 0, evaluated on resume
                 with _timed(phases, "checkpoints"):
-                    checkpoints.save(0, state, {**session.state(), "task": task.resume_state()})
+                    checkpoints.save(0, state, {**sampled(), "task": task.resume_state()})
                 _write_phases(run_dir, phases)
                 raise Interrupted(f"{signals.requested()} during the held-out evaluation before the first step: "
                                   f"checkpoint saved (step 0; the evaluation runs on resume); continue with: "
@@ -312,25 +352,28 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
     for step in range(start, config.steps):
         began = time.perf_counter()
         supplied = task.supplied_batch(step)
-        batch, rollouts, metrics = supplied if supplied is not None else session.next_batch(step, vocab)
+        batch, rollouts, metrics = supplied if supplied is not None else session.next_batch(step, task.vocab_size)
         batch = packed_for(batch, task.update, batch_shards(mesh))
         extra = task.extra_inputs(batch, rollouts)
         compiling = step_fn is None
         if compiling:
             log.note("compiling the step")
-            score_fn = sharded_scoring(task.scoring_fn, state, batch, mesh)
-            example = task.step_input(jax.eval_shape(task.scoring_fn, state, batch), extra)
+            if task.scoring_fn is not None:
+                score_fn = sharded_scoring(task.scoring_fn, state, batch, mesh)
+            example = task.step_input(jax.eval_shape(task.scoring_fn, state, batch) if score_fn else batch, extra)
             step_fn = sharded_step(task.step_fn, state, example, mesh)
-        scored = score_fn(state, shard(batch, batch_shardings(batch, mesh)))
+        scored = shard(batch, batch_shardings(batch, mesh))
+        if score_fn is not None:
+            scored = score_fn(state, scored)
         on_mesh = shard(extra, batch_shardings(extra, mesh)) if extra else extra
         if config.logging.dump_rollouts:  # before the step, which donates the state the fields are taken from
             dump_rollouts(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1, rollouts, scored,
                           task.dump_fields(scored, on_mesh), task.tokenizer)
         state, step_metrics = step_fn(state, task.step_input(scored, on_mesh))
-        metrics.update(task.name_metrics({k: float(v) for k, v in step_metrics.items()}, extra))
-        if metrics["nonfinite_inputs"]:
-            raise RunError(f"step {step + 1}: {int(metrics['nonfinite_inputs'])} non-finite {task.nonfinite_inputs}")
-        metrics.update(session.refit(task.policy_params(state), step + 1))
+        metrics.update(task.name_metrics({k: np.asarray(v) for k, v in step_metrics.items()}, extra))
+        task.check_finite(step + 1, metrics)
+        if session is not None:
+            metrics.update(session.refit(task.policy_params(state), step + 1))
         done = step + 1
         _add(phases, "first step (compiles)" if compiling else "steps", time.perf_counter() - began)
         if compiling:
@@ -339,7 +382,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
         stop = signals.requested()
         if done % config.checkpoint.every == 0 or done == config.steps or stop:
             with _timed(phases, "checkpoints"):
-                checkpoints.save(done, state, {**session.state(), "task": task.resume_state(),
+                checkpoints.save(done, state, {**sampled(), "task": task.resume_state(),
                                                **({} if logged else {"unlogged": metrics})})
             _write_phases(run_dir, phases)
         if stop and not logged:
@@ -347,18 +390,19 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession, mesh: j
                               f"saved (step {done}; its evaluation runs on resume); continue with: {_resume_command()}",
                               signals.exit_status())
         if stop and done < config.steps:
-            raise Interrupted(f"{stop} after step {done} of {config.steps}: checkpoint saved (step {done}); continue "
-                              f"with: {_resume_command()}", signals.exit_status())
+            step_name = f"{task.description} step" if task.description else "step"
+            raise Interrupted(f"{stop} after {step_name} {done} of {config.steps}: checkpoint saved ({step_name} {done}); "
+                              f"continue with: {_resume_command()}", signals.exit_status())
         if stop_after is not None and done >= stop_after:
             return None
     return state
 
 
-def _evaluated(config: Any, session: RolloutSession, log: MetricsLog, phases: dict[str, float], done: int,
+def _evaluated(config: Any, session: RolloutSession | None, log: MetricsLog, phases: dict[str, float], done: int,
                metrics: dict[str, float], stop: Any, *, advance: bool = True) -> bool:
     """Log step `done`'s metrics, with the held-out evaluation on eval steps; False (nothing
     logged) when a stop request ended the evaluation early."""
-    if done % config.logging.eval_every == 0 or done == config.steps:
+    if session is not None and (done % config.logging.eval_every == 0 or done == config.steps):
         log.note("held-out evaluation")
         with _timed(phases, "evaluation"):
             try:

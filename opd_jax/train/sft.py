@@ -1,31 +1,37 @@
-"""The supervised warm start: reference answers of the training domains, cross-entropy on the
-answer tokens (and the stop token), sharded like the PPO step."""
+"""Supervised training as a task of the one run loop (`opd_jax.train.runner`): cross-entropy on
+the response tokens of batches the task supplies, sharded like the RL steps. It serves the
+supervised warm start (reference answers of the training domains, and an environment's expert
+episodes), `opd-jax sft`, and the merge's warm-up on the teachers' samples. Each is a run of its
+own directory (the warm start: RUN_DIR/warm_start/), so it has checkpoints, exact resume, the
+stop at a step boundary, a progress bar and a summary, as every run."""
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from opd_jax.config import EpisodeSection, SFTSection, TrainConfig
+from opd_jax.config import ConfigError, EpisodeSection, SFTSection, TrainConfig
 from opd_jax.core import RolloutBatch, UpdateConfig, make_optimizer
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
 from opd_jax.envs import TurnCodec, episode_factory
 from opd_jax.envs.episodes import demonstration
-from opd_jax.models import Decoder, Tokenizer
-from opd_jax.parallel import batch_shardings, batch_shards, make_mesh, shard, sharded_step, tree_shardings
-from opd_jax.train import signals
-from opd_jax.train.batching import packed_for, pad_rows
-from opd_jax.train.build import encode_prompt, stop_ids
-from opd_jax.train.console import progress, restart_clock
+from opd_jax.models import Decoder, Tokenizer, save_model
+from opd_jax.run_files import WARM_START, checkpoint_steps, run_status
+from opd_jax.train.batching import pad_rows
+from opd_jax.train.build import build_model, encode_prompt, stop_ids
+from opd_jax.train.checkpoint import Checkpoints
+from opd_jax.train.console import say
 from opd_jax.train.episodes import episode_limits
-from opd_jax.train.errors import Interrupted, RunError
+from opd_jax.train.errors import RunError
+from opd_jax.train.preflight import check_run_inputs
+from opd_jax.train.runner import Task, run
 
 # the warm start reads its own stream, so RL later sees the same prompts with or without it
 _SFT_SEED_OFFSET = 7919
@@ -60,78 +66,119 @@ def demonstration_batch(examples: list[Example], tokenizer: Tokenizer, policy: D
                         logp_infer=np.zeros_like(response), rewards=np.zeros(len(examples), np.float32))
 
 
-def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, log_path: Path, *,
-               restart_hint: str = "run the same command again") -> Decoder:
-    """`config.sft.steps` supervised updates of `policy` on the training domains' reference
-    answers; the loss per step goes to log_path. A SIGINT/SIGTERM (within
-    `signals.stop_at_step_boundary`) stops it at a step boundary with `Interrupted`: nothing of it
-    is kept, so `restart_hint` says how to start over."""
-    data = config.data.model_copy(update={"seed": config.data.seed + _SFT_SEED_OFFSET})
-    prompts = iter(train_prompts(data))
+class Demonstrations:
+    """The warm start's batches: the training domains' reference answers (and environments'
+    expert episodes), from a prompt stream of their own whose position a checkpoint keeps."""
 
-    def demonstrations(step: int) -> RolloutBatch:
-        return demonstration_batch(take(prompts, config.sft.batch_size), tokenizer, policy, config.data.chat_template,
-                                   config.rollout.episodes, config.rollout.max_new_tokens)
-    return supervised_steps(policy, demonstrations, config.sft, make_mesh(config.mesh), log_path,
-                            progress_bar=config.logging.progress_bar, restart_hint=restart_hint)
+    def __init__(self, config: TrainConfig, policy: Decoder, tokenizer: Tokenizer):
+        self.config, self.policy, self.tokenizer = config, policy, tokenizer
+        self.prompts = iter(train_prompts(config.data.model_copy(update={"seed": config.data.seed + _SFT_SEED_OFFSET})))
+
+    def __call__(self, step: int) -> RolloutBatch:
+        c = self.config
+        return demonstration_batch(take(self.prompts, c.sft.batch_size), self.tokenizer, self.policy,
+                                   c.data.chat_template, c.rollout.episodes, c.rollout.max_new_tokens)
+
+    def state(self) -> dict[str, Any]:
+        return {"data": self.prompts.get_state()}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.prompts.set_state(saved["data"])
 
 
-def supervised_steps(policy: Decoder, batches: Callable[[int], RolloutBatch], sft: SFTSection, mesh: Mesh,
-                     log_path: Path, *, progress_bar: bool = True, what: str = "warm start",
-                     restart_hint: str = "run the same command again") -> Decoder:
-    """`sft.steps` cross-entropy updates of `policy` on the response tokens of batches(0),
-    batches(1), ... (sharded over `mesh`, packed as sft.pack says); the loss per step goes to
-    log_path. A SIGINT/SIGTERM stops it at a step boundary with `Interrupted` (nothing kept)."""
-    state = PolicyState.create(policy, make_optimizer(sft.optimizer))
-    state = shard(state, tree_shardings(state, mesh))
-    step = None
-    bar = progress(sft.steps, what, enabled=progress_bar)
-    with log_path.open("w") as log, bar:
-        for i in range(sft.steps):
-            batch = packed_for(batches(i), UpdateConfig(pack=sft.pack), batch_shards(mesh))
-            if step is None:
-                bar.set_postfix_str("compiling the step")
-                step = sharded_step(functools.partial(sft_step, router_balance_coef=sft.router_balance_coef),
-                                    state, batch, mesh)
-            state, metrics = step(state, shard(batch, batch_shardings(batch, mesh)))
-            row = {"step": i + 1, **{k: float(v) for k, v in metrics.items()}}
-            log.write(json.dumps(row) + "\n")
-            bar.set_postfix(loss=f"{row['sft/loss']:.3g}", refresh=False)
-            if i == 0:  # the compile's rate is never shown as an ETA
-                restart_clock(bar, advance=1)
-            else:
-                bar.update(1)
-            if i + 1 < sft.steps:
-                signals.stop_if_requested(f"the {what} (SFT step {i + 1} of {sft.steps})", restart_hint)
+class SupervisedTask(Task):
+    """`section.steps` cross-entropy updates (`sft_step`) of `policy` on the response tokens of
+    batches(0), batches(1), ... (packed as section.pack says). `batches` may keep a position
+    (`state()` / `restore()`, saved with each checkpoint); `export`: where `finish` writes the
+    trained model (None: nowhere; the caller takes the final state)."""
+
+    command = "sft"
+    uses_engine = False
+    nonfinite_inputs = "demonstration inputs"
+    rows_key = "the supervised batch_size"
+
+    def __init__(self, section: SFTSection, batches: Callable[[int], RolloutBatch], policy: Decoder,
+                 tokenizer: Tokenizer, data: Any, *, description: str = "sft", export: Path | None = None,
+                 check: Callable[[], None] | None = None):
+        self.section, self.batches, self.export, self._check = section, batches, export, check
+        self.policy, self.tokenizer, self.data, self.description = policy, tokenizer, data, description
+        self.update = UpdateConfig(pack=section.pack)
+        self.step_fn = functools.partial(sft_step, router_balance_coef=section.router_balance_coef)
+
+    def rows_per_step(self, config: Any) -> int:
+        return self.section.batch_size
+
+    def check_inputs(self) -> None:
+        if self._check is not None:
+            self._check()
+
+    def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
+        return {}
+
+    def create_state(self) -> PolicyState:
+        return PolicyState.create(self.policy, make_optimizer(self.section.optimizer))
+
+    def policy_params(self, state: PolicyState):
+        return state.params
+
+    def supplied_batch(self, step: int) -> tuple[RolloutBatch, list, dict[str, float]]:
+        return self.batches(step), [], {}
+
+    def resume_state(self) -> dict[str, Any]:
+        return self.batches.state() if hasattr(self.batches, "state") else {}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        if hasattr(self.batches, "restore"):
+            self.batches.restore(saved)
+
+    def finish(self, state: PolicyState, run_dir: Path, phases: dict[str, float]) -> None:
+        if self.export is not None:
+            save_model(state.model(), self.export, self.tokenizer)
+
+
+def phase_config(config: Any, run_dir: Path, steps: int) -> Any:
+    """`config` as a supervised phase's run reads it: `steps` steps in `run_dir`, one checkpoint
+    kept, no plots or exports of the RL run's."""
+    logging = config.logging.model_copy(update={"run_dir": str(run_dir), "eval_at_start": False, "plot": False,
+                                                "dump_rollouts": False})
+    checkpoint = config.checkpoint.model_copy(update={"keep": 1, "export_hf": False})
+    return config.model_copy(update={"steps": steps, "logging": logging, "checkpoint": checkpoint})
+
+
+def supervised_phase(config: Any, task: SupervisedTask, run_dir: Path) -> Decoder:
+    """The model after `task`'s steps, run as a phase of a larger run in `run_dir` (its own run
+    directory): a new phase starts, an interrupted one resumes from its checkpoint, a finished
+    one gives its final state back without training again."""
+    phase = phase_config(config, run_dir, task.section.steps)
+    if run_status(run_dir) == "finished":
+        checkpoints = Checkpoints(run_dir / "checkpoints", 1, say=say)
+        try:
+            _, state, _ = checkpoints.restore_latest(task.create_state())
+        finally:
+            checkpoints.close()
+        return state.model()
+    _, state = run(phase, task, resume=bool(checkpoint_steps(run_dir)))
     return state.model()
 
 
-def run_sft(config: TrainConfig) -> Path:
-    """`opd-jax sft`: the warm start alone, in a run directory of its own (checked and locked as
-    every run's; never another command's or a finished one); returns the exported model's path."""
-    from opd_jax.config import ConfigError, dump_config
-    from opd_jax.models import save_model
-    from opd_jax.train.build import build_model
-    from opd_jax.train.preflight import check_run_inputs
-    from opd_jax.train.run_dir import RunDirectory
+def warm_start(policy: Decoder, tokenizer: Tokenizer, config: TrainConfig, run_dir: Path) -> Decoder:
+    """`config.sft.steps` supervised updates of `policy` on the training domains' reference
+    answers, as the phase RUN_DIR/warm_start/ of the run in `run_dir` (see `supervised_phase`)."""
+    task = SupervisedTask(config.sft, Demonstrations(config, policy, tokenizer), policy, tokenizer, config.data,
+                          description="warm start")
+    return supervised_phase(config, task, run_dir / WARM_START)
 
+
+def run_sft(config: TrainConfig, *, resume: bool = False) -> Path:
+    """`opd-jax sft`: the warm start alone, in a run directory of its own (checked and locked as
+    every run's; resumable); returns the exported model's path."""
     if config.sft.steps == 0:
         raise ConfigError("sft.steps is 0: nothing to train")
-    check_run_inputs(mesh=config.mesh, models={"model": config.model}, data=config.data,
-                     max_new_tokens=0)
     run_dir = Path(config.logging.run_dir)
-    directory = RunDirectory(run_dir, "sft").open(resume=False)
-    status = "failed"
-    try:
-        directory.record_config(dump_config(config))
-        policy, tokenizer = build_model(config.model)
-        with signals.stop_at_step_boundary():
-            policy = warm_start(policy, tokenizer, config, run_dir / "sft_metrics.jsonl")
-        out = save_model(policy, run_dir / "sft_policy", tokenizer)
-        status = "finished"
-    except Interrupted:
-        status = "interrupted"
-        raise
-    finally:
-        directory.close(status)
-    return out
+    policy, tokenizer = build_model(config.model)
+    task = SupervisedTask(config.sft, Demonstrations(config, policy, tokenizer), policy, tokenizer, config.data,
+                          export=run_dir / "sft_policy",
+                          check=lambda: check_run_inputs(mesh=config.mesh, models={"model": config.model},
+                                                         data=config.data, max_new_tokens=0))
+    run(phase_config(config, run_dir, config.sft.steps), task, resume=resume)
+    return run_dir / "sft_policy"

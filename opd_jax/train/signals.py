@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from opd_jax.train.errors import Interrupted
 
 _requested: list[int] = []
+_depth: list[int] = []  # blocks entered and not left (one entry each)
 
 
 def requested() -> str | None:
@@ -41,15 +42,22 @@ def _handle(signum: int, frame) -> None:
 @contextlib.contextmanager
 def stop_at_step_boundary() -> Iterator[None]:
     """Within this block SIGINT and SIGTERM are recorded (see `requested`), not fatal. Outside the
-    main thread (a notebook's worker, say) signals cannot be caught, and nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    main thread (a notebook's worker, say) signals cannot be caught, and nothing changes. Nested
+    (a run's warm start, itself a run), the outer block's handlers and requests stay."""
+    if threading.current_thread() is not threading.main_thread() or _depth:
+        _depth.append(1)
+        try:
+            yield
+        finally:
+            _depth.pop()
         return
     _requested.clear()
     previous = {s: signal.signal(s, _handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    _depth.append(1)
     try:
         yield
     finally:
+        _depth.pop()
         for s, handler in previous.items():
             signal.signal(s, handler)
         _requested.clear()
