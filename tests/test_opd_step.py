@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ppo_setup import TINY, assert_updates_close, rollout_batch
 
 from opd_jax.core import (
+    PER_TEACHER_KL,
     DistillBatch,
     MismatchCorrection,
     OPDConfig,
@@ -154,7 +155,7 @@ def test_step_matches_reference_sgd_update(name):
     m, gap = host(batch.response_mask), host(batch.logp_old) - host(distill.logp_teacher)
     for k in range(2):
         rows = index == k
-        np.testing.assert_allclose(float(metrics[f"opd/reverse_kl/teacher{k}"]), (gap[rows] * m[rows]).sum() / m[rows].sum(),
+        np.testing.assert_allclose(float(metrics[PER_TEACHER_KL][k]), (gap[rows] * m[rows]).sum() / m[rows].sum(),
                                    rtol=1e-5)
     np.testing.assert_allclose(float(metrics["opd/reverse_kl"]), (gap * m).sum() / m.sum(), rtol=1e-5)
     if config.loss == "sampled" or config.reward_alpha:  # the first update: still θ_old, so r = 1 exactly
@@ -183,7 +184,7 @@ def test_teachers_samples_train_unweighted_and_without_reward(loss):
     np.testing.assert_allclose(float(metrics["opd/reverse_kl"]), (gap * own).sum() / own.sum(), rtol=1e-5)
     for k in range(2):
         rows = (index == k)[:, None] * own
-        np.testing.assert_allclose(float(metrics[f"opd/reverse_kl/teacher{k}"]), (gap * rows).sum() / rows.sum(), rtol=1e-5)
+        np.testing.assert_allclose(float(metrics[PER_TEACHER_KL][k]), (gap * rows).sum() / rows.sum(), rtol=1e-5)
     assert float(metrics["opd/off_policy_rows"]) == off.sum()
     with pytest.raises(ValueError, match="off-policy rows need loss"):
         opd_step(state, distill.replace(teacher_logprobs=None, teacher_ids=None), config=OPDConfig(), **RUN)

@@ -76,6 +76,7 @@ class Task:
     replays_routing = False  # a MoE policy trains on the engine's experts: the engine must record them
     nonfinite_inputs = "inputs"  # what the step's non-finite count counts, for the error message
 
+    rows_name = "rollouts"  # what a step's rows are
     rows_key = "data.prompts_per_step × rollout.samples_per_prompt"  # the keys that set rows_per_step
 
     def rows_per_step(self, config: Any) -> int:
@@ -164,8 +165,8 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
     rows = task.rows_per_step(config)
     mesh = make_mesh(config.mesh)
     if rows % batch_shards(mesh):
-        raise MeshError(f"{rows} rows per step ({task.rows_key}) do not split over the mesh's {batch_shards(mesh)} "
-                        f"data-parallel shards: use a multiple")
+        raise MeshError(f"{rows} {task.rows_name} per step ({task.rows_key}) do not split over the mesh's "
+                        f"{batch_shards(mesh)} data-parallel shards: use a multiple")
     task.check_inputs()
     run_dir = Path(config.logging.run_dir)
     directory = RunDirectory(run_dir, task.command)

@@ -95,6 +95,7 @@ class SupervisedTask(Task):
     command = "sft"
     uses_engine = False
     nonfinite_inputs = "demonstration inputs"
+    rows_name = "demonstrations"
     rows_key = "the supervised batch_size"
 
     def __init__(self, section: SFTSection, batches: Callable[[int], RolloutBatch], policy: Decoder,
