@@ -42,7 +42,7 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     model, _ = load_model(smollm2_gguf(), dtype=args.dtype)
     config = model.config
-    forward = jax.jit(lambda m, t: m.backbone(t)[0])  # hidden states; the head is counted below
+    forward = jax.jit(lambda m, t: m.backbone.forward(t)[0])  # hidden states; the head is counted below
     head = jax.jit(lambda m, h: m.logits(h))
     rng = np.random.default_rng(0)
     sampler = Sampler(model, max_cache_len=args.seq + args.new + 1)

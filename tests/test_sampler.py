@@ -69,10 +69,10 @@ def test_kv_cache_decode_equals_no_cache_forward(model):
     full = np.asarray(model(jnp.asarray(seq)))
     cache = KVCache.empty(CONFIG, 2, 20, jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(14, dtype=jnp.int32), (2, 14))
-    logits, cache = model.decode(jnp.asarray(seq[:, :6]), cache, positions=positions[:, :6])
+    logits, cache, _ = model.decode(jnp.asarray(seq[:, :6]), cache, positions=positions[:, :6])
     np.testing.assert_allclose(np.asarray(logits), full[:, 5], rtol=1e-5, atol=1e-4)
     for t in range(6, 14):
-        logits, cache = model.decode(jnp.asarray(seq[:, t:t + 1]), cache, positions=positions[:, t:t + 1])
+        logits, cache, _ = model.decode(jnp.asarray(seq[:, t:t + 1]), cache, positions=positions[:, t:t + 1])
         np.testing.assert_allclose(np.asarray(logits), full[:, t], rtol=1e-5, atol=1e-4)
     assert int(cache.length) == 14
 

@@ -259,49 +259,73 @@ class Backbone(nnx.Module):
         self.layers = LayerStack(config, param_dtype=param_dtype, rngs=rngs)
         self.final_norm = _init(rngs, (config.hidden_size,), param_dtype, ("norm",), "ones")
 
-    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, cache: KVCache | None = None,
-                 unroll: int | bool = 1, routing: jax.Array | None = None, replay: jax.Array | None = None,
-                 return_routing: bool = False, segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, jax.Array]:
-        """Final hidden states [B, T, hidden] (and the updated cache when one is given).
+    def forward(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
+                replay: jax.Array | None = None, segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, RouterInfo | None]:
+        """The training forward, without a cache: (final hidden states [B, T, hidden], RouterInfo
+        of a MoE model or None).
 
         tokens: int [B, T]. positions: int [B, T], default 0..T-1. attention_mask: [B, T], 1 for
-        real tokens; padding keys are never attended to. With a cache, the T tokens are written
-        at slots cache.length .. cache.length+T-1 and attend to every earlier valid slot.
-        unroll: layers per scan iteration (True: all). Unrolling compiles slower but lets XLA
-        fuse across layers; it pays off in training steps (the backward of a scan is slower).
-        MoE models: routing [B, T, moe layers, k], an engine's expert ids (-1: none), used where
-        replay [B, T] is set (default: everywhere; routing replay, R3) and compared with this
-        model's own routing (RouterInfo.flip_fraction) everywhere; return_routing adds a
-        RouterInfo (the expert ids used and the routers' statistics per MoE layer; None for a
-        dense model). segment_ids: int [B, T], packed rows (no cache): a token attends only to
-        earlier tokens of its own segment (give positions restarting at each segment).
+        real tokens; padding keys are never attended to. unroll: layers per scan iteration (True:
+        all). Unrolling compiles slower but lets XLA fuse across layers; it pays off in training
+        steps (the backward of a scan is slower). MoE models: routing [B, T, moe layers, k], an
+        engine's expert ids (-1: none), used where replay [B, T] is set (default: everywhere;
+        routing replay, R3) and compared with this model's own routing (RouterInfo.flip_fraction)
+        everywhere; the RouterInfo holds the expert ids used and the routers' statistics per MoE
+        layer. segment_ids: int [B, T], packed rows: a token attends only to earlier tokens of its
+        own segment (give positions restarting at each segment).
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
-        config = self.config
+        positions, mask = self._positions_and_mask(tokens, positions, attention_mask)
+        allowed = mask[:, None, :] & (jnp.arange(T)[None, None, :] <= jnp.arange(T)[None, :, None])
+        if segment_ids is not None:
+            chex.assert_shape(segment_ids, (B, T))
+            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay)
+        return hidden, info
+
+    def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
+               attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, RouterInfo | None]:
+        """Generation through a KV cache, prefill and decode alike (both append T tokens to what
+        the cache holds): (final hidden states [B, T, hidden], the updated cache, RouterInfo or
+        None). The T tokens are written at slots cache.length .. cache.length+T-1 (one length for
+        the batch, or one per row: continuous batching's slots) and attend to every earlier valid
+        slot. positions and attention_mask as `forward`'s."""
+        chex.assert_rank(tokens, 2)
+        B, T = tokens.shape
+        positions, mask = self._positions_and_mask(tokens, positions, attention_mask)
+        write_at = cache.length
+        if write_at.ndim == 0:
+            key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, write_at))
+            query_slot = write_at + jnp.arange(T)[None]
+        else:  # each row writes at its own slot
+            query_slot = write_at[:, None] + jnp.arange(T)[None]
+            key_valid = cache.valid.at[jnp.arange(B)[:, None], query_slot].set(mask, mode="drop")
+        allowed = key_valid[:, None, :] & (jnp.arange(cache.slots)[None, None, :] <= query_slot[:, :, None])
+        kv = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+        hidden, kv, info = self._layers(tokens, positions, mask, allowed, kv, write_at, 1, None, None)
+        return hidden, KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T, k_scale=kv[2],
+                               v_scale=kv[3]), info
+
+    @staticmethod
+    def _positions_and_mask(tokens: jax.Array, positions: jax.Array | None,
+                            attention_mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         chex.assert_shape([positions, mask], (B, T))
-        if cache is None:
-            key_valid, query_slot, key_slot, write_at = mask, jnp.arange(T)[None], jnp.arange(T), None
-        elif cache.length.ndim == 0:
-            write_at = cache.length
-            key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, write_at))
-            query_slot, key_slot = write_at + jnp.arange(T)[None], jnp.arange(cache.slots)
-        else:  # each row writes at its own slot
-            write_at = cache.length
-            query_slot, key_slot = write_at[:, None] + jnp.arange(T)[None], jnp.arange(cache.slots)
-            key_valid = cache.valid.at[jnp.arange(B)[:, None], query_slot].set(mask, mode="drop")
-        allowed = key_valid[:, None, :] & (key_slot[None, None, :] <= query_slot[:, :, None])
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids (packed rows) are for training forwards, not a cache")
-            chex.assert_shape(segment_ids, (B, T))
-            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        return positions, mask
 
+    def _layers(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array, allowed: jax.Array, kv: Any,
+                write_at: jax.Array | None, unroll: int | bool, routing: jax.Array | None,
+                replay: jax.Array | None) -> tuple[jax.Array, Any, RouterInfo | None]:
+        """Embedding, every layer (attention where `allowed` [B, T, keys]; keys and values written
+        into `kv` at `write_at` when there is a cache) and the final norm."""
+        B, T = tokens.shape
+        config = self.config
         dt = jnp.dtype(self.compute_dtype)
         x = self.embed[...].astype(dt)[tokens]
         inv_freq = jnp.asarray(inverse_frequencies(config))
@@ -328,7 +352,6 @@ class Backbone(nnx.Module):
             out, info = _moe_mlp(config, h, m, f, replay, mask)
             return (x + out, kv), info
 
-        kv = None if cache is None else (cache.k, cache.v, cache.k_scale, cache.v_scale)
         used = []
         for kind, start, stop, first in _segments(config):
             xs = ({k: v[start:stop] for k, v in attention.items()},
@@ -339,16 +362,11 @@ class Backbone(nnx.Module):
             if info is not None:
                 used.append(info)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
-        new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T,
-                                                       k_scale=kv[2], v_scale=kv[3])
-        if return_routing:
-            info = None
-            if used:
-                ids, f, P, z, flips = (jnp.concatenate(parts) for parts in zip(*used))
-                info = RouterInfo(ids=jnp.moveaxis(ids, 0, 2), tokens_per_expert=f, prob_per_expert=P, z_loss=z,
-                                  flip_fraction=flips)
-            return x, new_cache, info
-        return x, new_cache
+        if not used:
+            return x, kv, None
+        ids, f, P, z, flips = (jnp.concatenate(parts) for parts in zip(*used))
+        return x, kv, RouterInfo(ids=jnp.moveaxis(ids, 0, 2), tokens_per_expert=f, prob_per_expert=P, z_loss=z,
+                                 flip_fraction=flips)
 
 
 class Decoder(nnx.Module):
@@ -370,9 +388,9 @@ class Decoder(nnx.Module):
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
                  replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
-        """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone)."""
-        hidden, _, info = self.backbone(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
-                                        routing=routing, replay=replay, return_routing=True, segment_ids=segment_ids)
+        """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone.forward)."""
+        hidden, info = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
+                                             routing=routing, replay=replay, segment_ids=segment_ids)
         return (self.logits(hidden), info) if return_routing else self.logits(hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -385,13 +403,9 @@ class Decoder(nnx.Module):
         return out.astype(jnp.float32)
 
     def decode(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
-               attention_mask: jax.Array | None = None, return_routing: bool = False
-               ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array | None]:
-        """Run T new tokens through the cache; returns (last-position logits [B, vocab], cache),
-        and with return_routing the expert ids each token used, [B, T, MoE layers, k] (None for
-        a dense model): what an engine records for routing replay."""
-        hidden, cache, info = self.backbone(tokens, positions=positions, attention_mask=attention_mask, cache=cache,
-                                            return_routing=True)
-        if return_routing:
-            return self.logits(hidden[:, -1]), cache, None if info is None else info.ids
-        return self.logits(hidden[:, -1]), cache
+               attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """Run T new tokens through the cache (a prompt's prefill, or the next token): the
+        last position's logits [B, vocab], the cache, and the expert ids each token used
+        [B, T, MoE layers, k] (None for a dense model): what an engine records for routing replay."""
+        hidden, cache, info = self.backbone.extend(tokens, cache, positions=positions, attention_mask=attention_mask)
+        return self.logits(hidden[:, -1]), cache, None if info is None else info.ids

@@ -27,8 +27,8 @@ class ValueModel(nnx.Module):
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        hidden, _ = self.backbone(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
-                                  segment_ids=segment_ids)
+        hidden, _ = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
+                                          segment_ids=segment_ids)
         # The head runs in float32 whatever the backbone's dtype: values feed GAE's long sums.
         return hidden.astype(jnp.float32) @ self.value_head[...] + self.value_bias[...]
 

@@ -74,8 +74,7 @@ def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Ar
     n, P = prompt.shape
     cache = KVCache.empty(model.config, n, slots.cache.slots, slots.cache.k.dtype)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
-    logits, cache, routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask,
-                                          return_routing=True)
+    logits, cache, routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask)
 
     def put(big, new, axis=0):
         index = (slice(None),) * axis + (where,)
@@ -122,7 +121,7 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, pad_id: jax.
         step = jnp.where(live, s.step + 1, s.step)
         done = s.done | hit_stop | (live & (step >= s.max_new))
         logits, cache, used = model.decode(token[:, None], s.cache, positions=s.next_pos[:, None],
-                                           attention_mask=live[:, None], return_routing=True)
+                                           attention_mask=live[:, None])
         routing = s.routing
         if routing is not None:
             routing = routing.at[rows, at].set(jnp.where(live[:, None, None], used[:, 0], routing[rows, at]))

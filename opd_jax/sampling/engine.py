@@ -43,8 +43,7 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, promp
     B, P = prompt.shape
     cache = KVCache.empty(model.config, B, P + max_new, kv_dtype or model.backbone.compute_dtype)
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
-    logits, cache, prompt_routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask,
-                                                 return_routing=True)
+    logits, cache, prompt_routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask)
     # MoE: the experts every prompt and output token was routed to (routing replay); -1 = none
     moe = model.config.moe
     routing = None if moe is None else jnp.full((B, max_new, len(model.config.moe_layers), moe.experts_per_token),
@@ -67,7 +66,7 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, promp
         live = ~done
         done = done | hit_stop | (step + 1 >= row_max_new)
         logits, cache, used = model.decode(token[:, None], cache, positions=next_pos[:, None],
-                                           attention_mask=live[:, None], return_routing=True)
+                                           attention_mask=live[:, None])
         if routing is not None:
             routing = routing.at[:, step].set(jnp.where(live[:, None, None], used[:, 0], -1))
         return step + 1, logits, cache, done, next_pos + 1, tokens, logprobs, lengths, stopped, routing
