@@ -383,7 +383,7 @@ def k8s_render(
 ) -> None:
     """Kubernetes manifests (JobSet + Kueue, LeaderWorkerSet for SGLang servers, the config as a
     ConfigMap) for the run CONFIG describes, as one YAML stream for `kubectl apply -f`."""
-    from opd_jax.k8s import ClusterSpec, K8sError, Toleration, dump_manifests, parse_pairs, render, validate_manifests
+    from opd_jax.k8s import ClusterSpec, K8sError, Toleration, parse_pairs, render
     from opd_jax.k8s.spec import to_label
 
     if not image:
@@ -404,7 +404,13 @@ def k8s_render(
                        image_pull_secrets=tuple(image_pull_secret),
                        server_image=server_image, server_hosts=server_hosts, server_accelerators=server_accelerators,
                        router=router, router_image=router_image)
-    manifests = render(config, spec)
+    _write_manifests(render(config, spec), check, out)
+
+
+def _write_manifests(manifests: list[dict[str, Any]], check: bool, out: Optional[Path]) -> None:
+    """The manifests as one YAML stream to `out` (stdout when None), validated first with `check`."""
+    from opd_jax.k8s import K8sError, dump_manifests, validate_manifests
+
     if check:
         problems = validate_manifests(manifests)
         if problems:

@@ -280,3 +280,53 @@ def test_missing_inputs_are_named():
         opd_step(state, distill, config=OPDConfig(loss="full"), num_teachers=2, divergences=("forward_kl",))
     with pytest.raises(ValueError, match="not a whole number of groups of 3"):
         opd_step(state, distill, config=OPDConfig(reward_alpha=1.0), group_size=3)
+
+
+def test_routing_replay_reaches_the_students_scoring_and_its_update():
+    """A MoE student whose engine routes elsewhere (another selection bias): with routing_replay r3
+    the student's θ_old log-probs are the engine's (its routing replayed) and the OPD step equals
+    one SGD step on the objective with the engine's experts forced, written from the formulas."""
+    import dataclasses as dc
+
+    from ppo_setup import TINY_MOE
+
+    from opd_jax.sampling import Sampler
+    from opd_jax.train.batching import rollouts_to_batch
+    from rollout_bridge.records import SamplingParams
+
+    lr = 0.05
+    student = Decoder(dc.replace(TINY_MOE, moe=dc.replace(TINY_MOE.moe, n_group=1, topk_group=1)), rngs=nnx.Rngs(5))
+    graphdef, params = nnx.split(student)
+    engine_params = jax.tree.map(jnp.copy, params)
+    bias = engine_params["backbone"]["layers"]["router_bias"]
+    bias[...] = jnp.asarray(np.random.default_rng(0).normal(scale=3.0, size=bias[...].shape), jnp.float32)
+    rollouts = Sampler(nnx.merge(graphdef, engine_params), max_cache_len=32).generate(
+        [[5, 9, 2, 7], [11, 3, 8], [4, 4, 1], [2, 8, 6, 1]], SamplingParams(max_new_tokens=5, temperature=T_SAMPLE),
+        jax.random.key(1))
+    batch = rollouts_to_batch(rollouts, np.zeros(4), pad_id=0)
+    state = PolicyState.create(student, optax.sgd(lr))
+    replayed = score_student(state, batch, temperature=T_SAMPLE, routing_replay=True)
+    own = score_student(state, batch, temperature=T_SAMPLE)
+    m = host(batch.response_mask)
+    np.testing.assert_allclose(host(replayed.logp_old) * m, host(batch.logp_infer) * m, atol=1e-4)
+    assert np.abs(host(own.logp_old) - host(batch.logp_infer))[m > 0].max() > 1e-3
+    teacher = Decoder(student.config, rngs=nnx.Rngs(9))
+    index = np.zeros(4, np.int64)
+    distill = distill_batch(replayed, [teacher], index, "sampled")
+    config = OPDConfig(routing_replay="r3")
+    new, _ = jax.jit(functools.partial(opd_step, config=config, num_teachers=1, temperature=T_SAMPLE))(state, distill)
+    r = distill.rollout
+    adv = (distill.logp_teacher - r.logp_old) * r.response_mask
+    k = jnp.exp(r.logp_old - r.logp_infer)
+    w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * r.response_mask
+
+    def objective(p):
+        logits = nnx.merge(state.graphdef, p)(r.tokens, positions=r.positions, attention_mask=r.attention_mask,
+                                              routing=r.routing) / T_SAMPLE
+        prev = log_softmax(logits[:, :-1])
+        logp = jnp.pad(jnp.take_along_axis(prev, r.tokens[:, 1:, None], -1)[..., 0], ((0, 0), (1, 0)))
+        ratio = jnp.exp(logp - r.logp_old)
+        per = -w * jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv)
+        return jnp.sum(per * r.response_mask) / jnp.sum(r.response_mask)
+    expected = jax.tree.map(lambda p, g: p - lr * g, state.params, jax.grad(objective)(state.params))
+    assert_updates_close(new.params, expected, state.params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,10 @@ from opd_jax.core.distributions import shift_right, token_logprobs
 from opd_jax.core.packing import pack_tokens, unpack
 from opd_jax.core.update import map_rows
 from opd_jax.models.moe import RouterInfo
+
+RoutingReplay = Literal["none", "r3"]
+"""MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the
+trainer's router); none: the trainer routes on its own."""
 
 
 def _run(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool, **kwargs

@@ -38,7 +38,7 @@ from flax import nnx
 from opd_jax.core.advantages import group_advantages
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.forward import policy_logprobs, sequence_logits
+from opd_jax.core.forward import RoutingReplay, policy_logprobs, sequence_logits
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_metrics, mismatch_weights
@@ -88,6 +88,8 @@ class OPDConfig:
     """The clipped, mismatch-weighted policy loss (shared with PPO)."""
     update: UpdateConfig = UpdateConfig()
     """Epochs, mini-batches and micro-batches of each step (shared with PPO)."""
+    routing_replay: RoutingReplay = "none"
+    """MoE student: r3 scores θ_old and trains with the engine's experts for every token it routed (as PPO's)."""
 
     def __post_init__(self):
         if self.loss not in DISTILL_LOSSES:
@@ -138,10 +140,11 @@ class DistillBatch:
 # --- forward passes -------------------------------------------------------------------------
 
 def score_student(state: PolicyState, batch: RolloutBatch, *, temperature: float = 1.0,
-                  microbatches: int = 1) -> RolloutBatch:
-    """The batch with logp_old filled in: the student's θ_old = state.params (see policy_logprobs)."""
+                  microbatches: int = 1, routing_replay: bool = False) -> RolloutBatch:
+    """The batch with logp_old filled in: the student's θ_old = state.params (see policy_logprobs);
+    routing_replay: a MoE student scores with the engine's routing (batch.routing; R3)."""
     return batch.replace(logp_old=policy_logprobs(state.graphdef, state.params, batch, temperature=temperature,
-                                                  microbatches=microbatches))
+                                                  microbatches=microbatches, replay=routing_replay))
 
 
 def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, loss: DistillLoss,
@@ -263,7 +266,8 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
 
     def loss_fn(p, t: _OPDTargets):
         rollout = t.batch.rollout
-        logits = sequence_logits(state.graphdef, p, rollout, unroll=config.update.layer_unroll, temperature=temperature)
+        logits = sequence_logits(state.graphdef, p, rollout, unroll=config.update.layer_unroll, temperature=temperature,
+                                 replay=config.routing_replay == "r3")
         logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}

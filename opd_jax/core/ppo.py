@@ -36,7 +36,7 @@ from flax import nnx
 from opd_jax.core import algorithms  # noqa: F401  (registers the algorithm files' parts)
 from opd_jax.core.advantages import gae, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.forward import sequence_logprobs, sequence_values, values_and_final
+from opd_jax.core.forward import RoutingReplay, sequence_logprobs, sequence_values, values_and_final
 from opd_jax.core.losses import (
     KLKind,
     SurrogateConfig,
@@ -131,7 +131,7 @@ class PPOConfig:
     """MoE: weight of the load-balancing loss E·Σ f_e·P_e (transformers' formulation); off for RL, as slime."""
     router_z_coef: float = 0.0
     """MoE: weight of the router z-loss mean(logsumexp(router logits)²); off by default."""
-    routing_replay: Literal["none", "r3"] = "none"
+    routing_replay: RoutingReplay = "none"
     """MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the trainer's router)."""
 
     def __post_init__(self):

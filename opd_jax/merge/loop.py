@@ -58,7 +58,6 @@ class OPDTask(Task):
 
     command = "merge"
     nonfinite_inputs = "log-probs or rewards"
-    replays_routing = False
     teachers: Teachers | None = None
 
     def __init__(self, config: MergeConfig):
@@ -69,8 +68,9 @@ class OPDTask(Task):
         opd = config.opd
         group = config.rollout.samples_per_prompt
         self.update = opd.update
+        self.replays_routing = opd.routing_replay == "r3"
         self.scoring_fn = functools.partial(score_student, temperature=self.temperature,
-                                            microbatches=opd.update.microbatches)
+                                            microbatches=opd.update.microbatches, routing_replay=self.replays_routing)
         names = self.plan.teacher_names
         unknown = sorted(set(config.divergence_by_teacher) - set(names))
         if unknown:
@@ -139,6 +139,10 @@ class OPDTask(Task):
         rows = self.config.data.prompts_per_step * self.config.rollout.samples_per_prompt
         batch, trajectories, _ = self.pool.batch(pool_rows(len(self.pool.trajectories), rows, self.config.seed, step),
                                                  self.tokenizer.pad_token_id or 0)
+        if self.replays_routing:  # the teachers' samples have no student routing to replay: -1, the student routes
+            moe = self.policy.config
+            batch = batch.replace(routing=np.full((*batch.tokens.shape, len(moe.moe_layers), moe.moe.experts_per_token),
+                                                  -1, np.int32))
         return batch, trajectories, {}
 
     def extra_inputs(self, batch, rollouts) -> dict[str, Any]:

@@ -331,7 +331,7 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession | None, 
     """The steps from `start`; `unlogged`: the metrics of step `start` that a stop during its
     held-out evaluation kept in the checkpoint instead of the log (evaluated and logged first).
     Without a session (a task that supplies every batch) nothing is refitted or evaluated."""
-    score_fn = step_fn = None
+    compiled: dict[str, Any] = {}
     asked_to_stop = lambda: signals.requested() is not None  # noqa: E731
     sampled = (lambda: session.state()) if session is not None else dict  # what a checkpoint keeps of the session
     if session is not None and start == 0 and config.logging.eval_at_start:
@@ -351,30 +351,10 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession | None, 
         raise Interrupted(f"{signals.requested()} during the held-out evaluation of step {start}: its checkpoint keeps "
                           f"it for the next resume; continue with: {_resume_command()}", signals.exit_status())
     for step in range(start, config.steps):
-        began = time.perf_counter()
-        supplied = task.supplied_batch(step)
-        batch, rollouts, metrics = supplied if supplied is not None else session.next_batch(step, task.vocab_size)
-        batch = packed_for(batch, task.update, batch_shards(mesh))
-        extra = task.extra_inputs(batch, rollouts)
-        compiling = step_fn is None
+        began, compiling = time.perf_counter(), not compiled
         if compiling:
             log.note("compiling the step")
-            if task.scoring_fn is not None:
-                score_fn = sharded_scoring(task.scoring_fn, state, batch, mesh)
-            example = task.step_input(jax.eval_shape(task.scoring_fn, state, batch) if score_fn else batch, extra)
-            step_fn = sharded_step(task.step_fn, state, example, mesh)
-        scored = shard(batch, batch_shardings(batch, mesh))
-        if score_fn is not None:
-            scored = score_fn(state, scored)
-        on_mesh = shard(extra, batch_shardings(extra, mesh)) if extra else extra
-        if config.logging.dump_rollouts:  # before the step, which donates the state the fields are taken from
-            dump_rollouts(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1, rollouts, scored,
-                          task.dump_fields(scored, on_mesh), task.tokenizer)
-        state, step_metrics = step_fn(state, task.step_input(scored, on_mesh))
-        metrics.update(task.name_metrics({k: np.asarray(v) for k, v in step_metrics.items()}, extra))
-        task.check_finite(step + 1, metrics)
-        if session is not None:
-            metrics.update(session.refit(task.policy_params(state), step + 1))
+        state, metrics = _train_step(config, task, state, session, mesh, compiled, step, run_dir)
         done = step + 1
         _add(phases, "first step (compiles)" if compiling else "steps", time.perf_counter() - began)
         if compiling:
@@ -397,6 +377,34 @@ def _steps(config: Any, task: Task, state: Any, session: RolloutSession | None, 
         if stop_after is not None and done >= stop_after:
             return None
     return state
+
+
+def _train_step(config: Any, task: Task, state: Any, session: RolloutSession | None, mesh: jax.sharding.Mesh,
+                compiled: dict[str, Any], step: int, run_dir: Path) -> tuple[Any, dict[str, float]]:
+    """Step `step` (0-based): its batch (the task's, or the session's rollouts) → extra inputs →
+    θ_old scoring → the step → the finiteness check → the refit. `compiled` keeps the sharded,
+    jitted scoring and step functions (compiled on the first call)."""
+    supplied = task.supplied_batch(step)
+    batch, rollouts, metrics = supplied if supplied is not None else session.next_batch(step, task.vocab_size)
+    batch = packed_for(batch, task.update, batch_shards(mesh))
+    extra = task.extra_inputs(batch, rollouts)
+    if not compiled:
+        compiled["score"] = None if task.scoring_fn is None else sharded_scoring(task.scoring_fn, state, batch, mesh)
+        scored_shape = batch if task.scoring_fn is None else jax.eval_shape(task.scoring_fn, state, batch)
+        compiled["step"] = sharded_step(task.step_fn, state, task.step_input(scored_shape, extra), mesh)
+    scored = shard(batch, batch_shardings(batch, mesh))
+    if compiled["score"] is not None:
+        scored = compiled["score"](state, scored)
+    on_mesh = shard(extra, batch_shardings(extra, mesh)) if extra else extra
+    if config.logging.dump_rollouts:  # before the step, which donates the state the fields are taken from
+        dump_rollouts(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1, rollouts, scored,
+                      task.dump_fields(scored, on_mesh), task.tokenizer)
+    state, step_metrics = compiled["step"](state, task.step_input(scored, on_mesh))
+    metrics.update(task.name_metrics({k: np.asarray(v) for k, v in step_metrics.items()}, extra))
+    task.check_finite(step + 1, metrics)
+    if session is not None:
+        metrics.update(session.refit(task.policy_params(state), step + 1))
+    return state, metrics
 
 
 def _evaluated(config: Any, session: RolloutSession | None, log: MetricsLog, phases: dict[str, float], done: int,
