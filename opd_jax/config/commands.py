@@ -18,14 +18,28 @@ class Command:
     name: str
     schema: type[BaseModel]
     on_cluster: bool  # a JobSet of it renders (a recipe is one process, every phase: it has none)
+    # a config is this command's when its top-level keys hold every key of one of these sets
+    # (the most specific command first, see command_of; train, with none, is the default)
+    markers: tuple[frozenset[str], ...] = ()
+
+    def marks(self, keys: set[str]) -> bool:
+        return any(m <= keys for m in self.markers)
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("train", TrainConfig, on_cluster=True),
-    Command("experts", ExpertsConfig, on_cluster=True),
-    Command("merge", MergeConfig, on_cluster=True),
-    Command("recipe", RecipeConfig, on_cluster=False),
+    Command("experts", ExpertsConfig, on_cluster=True, markers=(frozenset({"experts"}),)),
+    Command("merge", MergeConfig, on_cluster=True,
+            markers=tuple(frozenset({k}) for k in ("experts_dir", "teachers", "student", "baselines"))),
+    Command("recipe", RecipeConfig, on_cluster=False, markers=(frozenset({"domains", "merge"}),)),
 )}
+
+
+def command_of(keys: set[str]) -> Command:
+    """The command a config is for, from its top-level keys: a recipe (which also names its
+    experts and merge) before the commands it chains, then by markers; else train."""
+    ordered = sorted(COMMANDS.values(), key=lambda c: -max((len(m) for m in c.markers), default=0))
+    return next((c for c in ordered if c.marks(keys)), COMMANDS["train"])
 
 
 def command_schemas(*, on_cluster: bool = False) -> dict[str, type[BaseModel]]:

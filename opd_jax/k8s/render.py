@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel
 
 from opd_jax.config import ConfigError, ExpertsConfig, MergeConfig, TrainConfig, dump_config, to_plain
-from opd_jax.config.commands import command_schemas
+from opd_jax.config.commands import command_of, command_schemas
 from opd_jax.k8s.spec import ClusterSpec, K8sError, check_label, to_label
 from opd_jax.parallel import MeshError
 from opd_jax.parallel.distributed import COORDINATOR_PORT
@@ -47,14 +47,11 @@ Manifest = dict[str, Any]
 def detect_kind(data: dict[str, Any], source: str = "this config") -> str:
     """Which command a config (its top-level keys, read from `source`) is for; a recipe has no
     cluster form."""
-    if {"domains", "merge"} <= data.keys():
-        raise K8sError(f"{source} is a recipe (one process, every phase); on a cluster render its parts: an "
-                       f"experts config, then a merge config (docs/cluster.md)")
-    if "experts" in data:
-        return "experts"
-    if {"experts_dir", "teachers", "student", "baselines"} & data.keys():
-        return "merge"
-    return "train"
+    command = command_of(set(data))
+    if not command.on_cluster:
+        raise K8sError(f"{source} is a {command.name} config (one process, every phase); on a cluster render its "
+                       f"parts: an experts config, then a merge config (docs/cluster.md)")
+    return command.name
 
 
 # ---------------------------------------------------------------------------------- the pieces
