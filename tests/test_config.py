@@ -124,3 +124,25 @@ def test_the_estimators_are_selectable_and_rloo_needs_groups():
         load_config(None, ["algorithm.ppo.advantage=rloo", "rollout.samples_per_prompt=1"])
     with pytest.raises(ConfigError, match="dual_clip applies to the policy losses ppo, gspo; cispo"):
         load_config(None, ["algorithm.ppo.surrogate.kind=cispo", "algorithm.ppo.surrogate.dual_clip=3"])
+
+
+def test_the_fresh_model_sections_name_only_fields_of_the_model_dataclasses():
+    """model.fresh and model.fresh.moe pass every field under its own name to ModelConfig /
+    MoEConfig (train.build): a field renamed on one side fails here, not in a run."""
+    import dataclasses
+
+    from opd_jax.config import FreshModel
+    from opd_jax.config.schema import FreshMoE
+    from opd_jax.models import ModelConfig
+    from opd_jax.models.moe import MoEConfig
+    from opd_jax.train.build import fresh_model_config
+
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(FreshModel.model_fields) - {"seed"} <= model_fields
+    assert set(FreshMoE.model_fields) <= {f.name for f in dataclasses.fields(MoEConfig)}
+    fresh = FreshModel(family="glm4_moe", num_layers=2, moe=FreshMoE(num_experts=4, n_group=2, dense_layers=[0]))
+    built = fresh_model_config(fresh)
+    for name in set(FreshModel.model_fields) - {"seed", "moe"}:
+        assert getattr(built, name) == getattr(fresh, name), name
+    assert built.moe.router == "sigmoid" and built.moe.score_correction_bias and built.moe.dense_layers == (0,)
+    assert built.moe.num_experts == 4 and built.moe.n_group == 2

@@ -34,17 +34,22 @@ def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
     return policy, tokenizer
 
 
+# What a fresh model's section does not hold: the vocabulary and stop token (the character
+# tokenizer's), and what its family fixes (family_defaults; a GLM-4.5 MoE's sigmoid router with
+# a selection bias). Every other field is the section's own, under the same name: the section
+# (config.FreshModel / FreshMoE) keeps the from-scratch defaults and descriptions, the dataclass
+# (ModelConfig / MoEConfig) every model's meaning; tests/test_config.py checks the names match.
+_NOT_FROM_SECTION = {"family", "moe", "seed"}
+
+
 def fresh_model_config(f: Any) -> ModelConfig:
     """The architecture a model.fresh section describes (vocabulary: the character tokenizer's);
     an inconsistent one raises ModelFormatError naming the problem."""
     tokenizer = char_tokenizer()
+    fields = {name: getattr(f, name) for name in type(f).model_fields if name not in _NOT_FROM_SECTION}
     try:
-        return ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, hidden_size=f.hidden_size,
-                           intermediate_size=f.intermediate_size, num_layers=f.num_layers, num_heads=f.num_heads,
-                           num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
-                           max_position_embeddings=f.max_position_embeddings, eos_token_ids=(tokenizer.eos_token_id,),
-                           partial_rotary_factor=f.partial_rotary_factor, moe=_fresh_moe(f),
-                           **family_defaults(f.family, qk_norm=f.family == "glm4_moe"))
+        return ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, eos_token_ids=(tokenizer.eos_token_id,),
+                           moe=_fresh_moe(f), **fields, **family_defaults(f.family, qk_norm=f.family == "glm4_moe"))
     except ValueError as e:
         raise ModelFormatError(f"model.fresh: {e}") from None
 
@@ -52,12 +57,10 @@ def fresh_model_config(f: Any) -> ModelConfig:
 def _fresh_moe(fresh: Any) -> MoEConfig | None:
     if fresh.moe is None:
         return None
-    m, glm = fresh.moe, fresh.family == "glm4_moe"
-    return MoEConfig(num_experts=m.num_experts, experts_per_token=m.experts_per_token,
-                     intermediate_size=m.intermediate_size, router="sigmoid" if glm else "softmax",
-                     norm_topk_prob=m.norm_topk_prob, routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group,
-                     topk_group=m.topk_group, score_correction_bias=glm, num_shared_experts=m.num_shared_experts,
-                     dense_layers=tuple(m.dense_layers))
+    glm = fresh.family == "glm4_moe"
+    fields = {name: getattr(fresh.moe, name) for name in type(fresh.moe).model_fields}
+    fields["dense_layers"] = tuple(fields["dense_layers"])
+    return MoEConfig(router="sigmoid" if glm else "softmax", score_correction_bias=glm, **fields)
 
 
 def build_critic(policy: Decoder, config: TrainConfig) -> ValueModel:
