@@ -201,8 +201,10 @@ def test_informative_groups_are_those_whose_rewards_differ():
 
 def test_a_user_estimator_trains_through_opd_jax_train_without_a_critic(tmp_path):
     """An estimator defined in a test module, named by import path, with dynamic sampling and
-    overlong shaping on: the run trains, keeps no critic (memory.json, the checkpoint), and each
-    step's batch stays full (the dropped groups counted)."""
+    overlong shaping on: the run trains and keeps no critic (memory.json, the summary, the
+    checkpoint's tree). From the dumped trajectories: each step trains on a full batch of
+    prompt groups, as many of them uninformative (all rewards equal) as the metrics say were kept
+    to fill it; each reward is the verifier's 0 or 1 plus DAPO's penalty for its length."""
     from test_cli_train import run_cli
     from train_loop_settings import TINY
 
@@ -210,16 +212,30 @@ def test_a_user_estimator_trains_through_opd_jax_train_without_a_critic(tmp_path
 
     result = run_cli(["train", *TINY, "steps=2", f"logging.run_dir={tmp_path}", "logging.eval_every=2",
                       "algorithm.ppo.advantage=user_algorithms:scaled_grpo", "algorithm.ppo.advantage_params={scale: 2}",
-                      "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_rounds=2", "rollout.overlong_buffer=2",
+                      "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_rounds=2", "rollout.overlong_buffer=4",
+                      "rollout.overlong_penalty=0.5", "logging.dump_rollouts=true",
                       "algorithm.policy_optimizer.learning_rate=1e-3"])
     assert result.exit_code == 0, result.output
+    assert "no critic (the estimator needs none)" in result.output
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 2
     for row in steps:
         assert row["rollout/dynamic_draw_rounds"] in (1.0, 2.0)
-        assert row["rollout/dynamic_dropped_groups"] >= 0 and row["rollout/dynamic_uninformative_groups"] >= 0
         assert "critic/loss" not in row and "value_mean" not in row and np.isfinite(row["policy/loss"])
+        dumped = [json.loads(line) for line in
+                  (tmp_path / "rollouts" / f"step_{row['step']:06d}.jsonl").read_text().splitlines()]
+        assert len(dumped) == 4 * 4  # data.prompts_per_step groups of rollout.samples_per_prompt: the batch holds
+        lengths = np.array([len(d["token_ids"]) - d["prompt_len"] for d in dumped])
+        rewards = np.array([d["reward"] for d in dumped])
+        verifier = rewards + 0.5 * lengths / 4  # max_new_tokens 4 = the buffer: R_length = −length / 4
+        np.testing.assert_allclose(verifier, np.round(verifier), atol=1e-5)
+        assert set(np.round(verifier)) <= {0.0, 1.0}
+        groups = verifier.reshape(4, 4)
+        uninformative = int(np.sum(np.ptp(rewards.reshape(4, 4), axis=1) <= 1e-6))
+        assert uninformative == row["rollout/dynamic_uninformative_groups"], (groups, row)
+        if row["rollout/dynamic_draw_rounds"] == 1.0:
+            assert uninformative == 0 and row["rollout/dynamic_dropped_groups"] == 0
     memory = json.loads((tmp_path / "memory.json").read_text())
     assert memory["critic"] is False and memory["critic_gib"] == 0.0
     assert checkpoint_steps(tmp_path)[-1] == 2

@@ -158,11 +158,25 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
         if "policy/moe/flip_frac" in steps[-1]:
             line += f", routing flips {mean('policy/moe/flip_frac'):.2%} of token-layers"
         lines.append(line)
+    memory = _memory(run_dir)
+    if memory is not None:
+        critic = f"critic {memory['critic_gib']:.3g} GiB" if memory.get("critic", True) \
+            else "no critic (the estimator needs none)"
+        lines.append(f"memory: policy {memory['policy_gib']:.3g} GiB, {critic}, optimizer states "
+                     f"{memory['optimizer_states_gib']:.3g} GiB; peak resident {memory['peak_rss_gib']:.3g} GiB")
     lines.append("wall time: " + ", ".join(f"{name} {_duration(s)}" for name, s in phases.items())
                  + f" (total {_duration(sum(phases.values()))})")
     files = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir() if not p.name.startswith("."))
     lines.append(f"run directory {run_dir}: {', '.join(files)}")
     return "\n".join(lines)
+
+
+def _memory(run_dir: Path) -> dict[str, Any] | None:
+    """What the run held (memory.json, written by a PPO run's finish), or None."""
+    try:
+        return json.loads((run_dir / "memory.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _engine(run_dir: Path) -> dict[str, Any] | None:
