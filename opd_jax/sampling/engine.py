@@ -10,6 +10,7 @@ depend on the rest of the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +21,10 @@ import numpy as np
 from flax import nnx
 
 from opd_jax.errors import OpdJaxError
-from opd_jax.models.decoder import Decoder, KVCache
+from opd_jax.models.decoder import Decoder, KVCache, _is_fp8
 from opd_jax.sampling.continuous import DecodeSlots, Result, generate_continuous
 from opd_jax.sampling.ops import sample_tokens
+from opd_jax.sampling.prefix_cache import PrefillStats, Prefix, PrefixStore
 from rollout_bridge.records import Rollout, SamplingParams
 
 
@@ -34,16 +36,39 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "kv_dtype"))
-def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, prompt_mask: jax.Array,
-              row_keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-              stop_ids: jax.Array, row_max_new: jax.Array, pad_id: jax.Array, *, max_new: int,
-              kv_dtype: str | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "slots", "dtype"))
+def _cache_with_prefixes(config: Any, slots: int, dtype: str, length: jax.Array, starts: jax.Array,
+                         counts: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
+                         v_scale: jax.Array | None) -> KVCache:
+    """An empty cache of k.shape[1] rows × `slots` with each row's stored prefix KV [layers, rows,
+    C, heads, dim] (its first counts[r] tokens) written at slots starts[r]..; `length` written."""
+    U, C = k.shape[1], k.shape[2]
+    cache = KVCache.empty(config, U, slots, dtype)
+    rows = jnp.arange(U)[:, None]
+    cols = jnp.where(jnp.arange(C)[None] < counts[:, None], starts[:, None] + jnp.arange(C)[None], slots)
+    put = lambda big, new: None if big is None else big.at[:, rows, cols].set(new.astype(big.dtype), mode="drop")  # noqa: E731
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, v), k_scale=put(cache.k_scale, k_scale),
+                         v_scale=put(cache.v_scale, v_scale), valid=cache.valid.at[rows, cols].set(True, mode="drop"),
+                         length=length)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnames=("cache",))
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, window: jax.Array, window_mask: jax.Array,
+              window_positions: jax.Array, row_of: jax.Array, row_keys: jax.Array, temperature: jax.Array,
+              top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, row_max_new: jax.Array, pad_id: jax.Array, *,
+              max_new: int):
+    """Prefill the prompts' last window columns [U, S] (whatever precedes them is in `cache`: a
+    stored prefix, or nothing), then decode the B rows, row b a copy of prompt row_of[b] (the
+    samples of one prompt share its prefill)."""
     model: Decoder = nnx.merge(graphdef, state)
-    B, P = prompt.shape
-    cache = KVCache.empty(model.config, B, P + max_new, kv_dtype or model.backbone.compute_dtype)
-    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
-    logits, cache, prompt_routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask)
+    logits, cache, window_routing = model.decode(window, cache, positions=window_positions,
+                                                 attention_mask=window_mask)
+    copy = lambda x: None if x is None else jnp.take(x, row_of, axis=1)  # noqa: E731  ([layers, rows, ...])
+    cache = cache.replace(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale), v_scale=copy(cache.v_scale),
+                          valid=cache.valid[row_of])
+    logits = logits[row_of]
+    window_routing = None if window_routing is None else window_routing[row_of]
+    B = row_of.shape[0]
     # MoE: the experts every prompt and output token was routed to (routing replay); -1 = none
     moe = model.config.moe
     routing = None if moe is None else jnp.full((B, max_new, len(model.config.moe_layers), moe.experts_per_token),
@@ -72,11 +97,34 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: jax.Array, promp
         return step + 1, logits, cache, done, next_pos + 1, tokens, logprobs, lengths, stopped, routing
 
     zeros_b = jnp.zeros((B,), jnp.int32)
-    carry = (jnp.zeros((), jnp.int32), logits, cache, jnp.zeros((B,), bool), positions[:, -1] + 1,
+    carry = (jnp.zeros((), jnp.int32), logits, cache, jnp.zeros((B,), bool), window_positions[row_of, -1] + 1,
              jnp.full((B, max_new), pad_id, jnp.int32), jnp.zeros((B, max_new), jnp.float32), zeros_b,
              jnp.zeros((B,), bool), routing)
     carry = jax.lax.while_loop(cond, body, carry)
-    return carry[5], carry[6], carry[7], carry[8], (None if routing is None else (prompt_routing, carry[9]))
+    return carry[5], carry[6], carry[7], carry[8], (None if routing is None else (window_routing, carry[9])), carry[2]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """How one static batch is prefilled (see Sampler._plan)."""
+
+    row_of: np.ndarray  # [B]: each row's prompt among the unique ones
+    prompts: list[list[int]]  # [B]
+    prefixes: list[Prefix | None]  # per unique prompt: the stored sequence it extends
+    window_width: int  # prompt columns prefilled (the last ones)
+    cache: KVCache
+    window: tuple[jax.Array, jax.Array, jax.Array]  # tokens, mask, positions [unique rows, window]
+
+    def routed(self, i: int, routing: Any, length: int) -> np.ndarray | None:
+        """[prompt + output tokens, MoE layers, k]: the experts each token of row i went through
+        (the prompt's: the stored prefix's before the window, the window's after)."""
+        if routing is None:
+            return None
+        window_part, output_part = routing
+        n, S = len(self.prompts[i]), self.window_width
+        stored = self.prefixes[self.row_of[i]]
+        before = [] if n <= S else [stored.routing[:n - S]]
+        return np.concatenate([*before, window_part[i, max(0, S - n):], output_part[i, :length]])
 
 
 class Sampler:
@@ -91,10 +139,14 @@ class Sampler:
     """
 
     def __init__(self, model: Decoder, *, max_cache_len: int | None = None, pad_id: int = 0,
-                 weight_version: int = 0, kv_cache_dtype: str | None = None, slots: int | None = None):
+                 weight_version: int = 0, kv_cache_dtype: str | None = None, slots: int | None = None,
+                 prefix_cache_tokens: int = 0):
         if slots is not None and slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.kv_cache_dtype, self.slots = kv_cache_dtype, slots
+        self.cache_dtype = jnp.dtype(kv_cache_dtype or model.backbone.compute_dtype).name
+        self.prefix_store = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.prefill_stats = PrefillStats()
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.max_cache_len = max_cache_len or model.config.max_position_embeddings
@@ -106,6 +158,8 @@ class Sampler:
         if graphdef != self.graphdef:
             raise ValueError("update_weights needs a model of the same architecture and dtypes")
         self.state, self.weight_version = state, weight_version
+        if self.prefix_store is not None:  # its KV is the old weights'
+            self.prefix_store.clear()
 
     def check(self, prompt: Sequence[int], params: SamplingParams, name: str = "the prompt") -> None:
         """ValueError (PromptTooLongError) for a prompt this engine cannot run."""
@@ -142,7 +196,9 @@ class Sampler:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  key: jax.Array, metadata: Sequence[dict[str, Any]] | None = None) -> list[Rollout]:
         """One rollout per prompt, in order. `params` is shared or one per prompt; `key` is one
-        PRNG key (row i draws from fold_in(key, i)) or one key per prompt."""
+        PRNG key (row i draws from fold_in(key, i)) or one key per prompt. Prompts that are equal
+        are prefilled once; with a prefix store, a prompt that extends a stored sequence prefills
+        only what follows it."""
         if not prompts:
             return []
         per_row = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -154,15 +210,6 @@ class Sampler:
             self.check(prompt, p, f"prompt {i}")
         width = max(longest, min(_bucket(longest), self.max_cache_len - max_new))
         B = len(prompts)
-        tokens = np.full((B, width), self.pad_id, np.int32)
-        mask = np.zeros((B, width), bool)
-        for i, prompt in enumerate(prompts):
-            tokens[i, width - len(prompt):] = prompt
-            mask[i, width - len(prompt):] = True
-        n_stop = _bucket(max(len(p.stop_token_ids) for p in per_row) or 1, minimum=4)
-        stop_ids = np.full((B, n_stop), -1, np.int32)
-        for i, p in enumerate(per_row):
-            stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
         if key.shape == (B,):
             row_keys = key
         elif key.shape == ():
@@ -174,24 +221,83 @@ class Sampler:
             done = generate_continuous(self.graphdef, self.state, prompts, per_row, row_keys, slots=self.slots,
                                        cache_len=width + max_new, pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype)
             return [self.rollout(prompts[i], result, metadata[i]) for i, result in enumerate(done)]
-        out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(_generate(
-            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(mask), row_keys,
+        plan = self._plan(prompts, width, max_new)
+        n_stop = _bucket(max(len(p.stop_token_ids) for p in per_row) or 1, minimum=4)
+        stop_ids = np.full((B, n_stop), -1, np.int32)
+        for i, p in enumerate(per_row):
+            stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
+        *out, cache = _generate(
+            self.graphdef, self.state, plan.cache, *plan.window, jnp.asarray(plan.row_of), row_keys,
             jnp.asarray([p.temperature for p in per_row], jnp.float32),
             jnp.asarray([p.top_k for p in per_row], jnp.int32),
             jnp.asarray([p.top_p for p in per_row], jnp.float32), jnp.asarray(stop_ids),
-            jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id),
-            max_new=max_new, kv_dtype=self.kv_cache_dtype))
+            jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id), max_new=max_new)
+        out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(out)
+        rollouts = [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]),
+                            output_ids=tuple(int(t) for t in out_tokens[i, :lengths[i]]),
+                            output_logprobs=tuple(float(x) for x in out_logprobs[i, :lengths[i]]),
+                            finish_reason="stop" if stopped[i] else "length", weight_version=self.weight_version,
+                            metadata=dict(metadata[i]), routed_experts=plan.routed(i, routing, lengths[i]))
+                    for i in range(B)]
+        if self.prefix_store is not None:
+            self._keep(rollouts, cache, width, plan)
+        return rollouts
 
-        def routed(i: int) -> np.ndarray | None:
-            """[prompt + output tokens, MoE layers, k]: the experts each token went through."""
-            if routing is None:
-                return None
-            prompt_part, output_part = routing
-            return np.concatenate([prompt_part[i, width - len(prompts[i]):], output_part[i, :lengths[i]]])
+    def _plan(self, prompts: Sequence[Sequence[int]], width: int, max_new: int) -> _Plan:
+        """The unique prompts (padded to a bucket of rows with copies of the first), each one's
+        stored prefix, the window of prompt columns left to prefill, and the cache holding what
+        precedes the window."""
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = np.array([unique.setdefault(tuple(p), len(unique)) for p in prompts], np.int32)
+        real = list(unique)
+        rows = max(len(real), min(len(prompts), _bucket(len(real), minimum=1)))
+        padded = real + [real[0]] * (rows - len(real))
+        prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
+        prefixes += [None] * (rows - len(real))
+        suffix = max(len(p) - (len(x) if x is not None else 0) for p, x in zip(real, prefixes))
+        window = min(width, _bucket(suffix, minimum=8))
+        tokens = np.full((rows, width), self.pad_id, np.int32)
+        mask = np.zeros((rows, width), bool)
+        for u, prompt in enumerate(padded):
+            tokens[u, width - len(prompt):] = prompt
+            mask[u, width - len(prompt):] = True
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+        placed = [max(0, len(p) - window) if x is not None else 0 for p, x in zip(padded, prefixes)]
+        cache = self._cache(prefixes, placed, [width - len(p) for p in padded], width + max_new, width - window)
+        self.prefill_stats.add(sum(len(p) for p in prompts), sum(min(window, len(p)) for p in real))
+        return _Plan(row_of=row_of, prompts=[list(p) for p in prompts], prefixes=prefixes, window_width=window,
+                     cache=cache, window=(jnp.asarray(tokens[:, width - window:]), jnp.asarray(mask[:, width - window:]),
+                                          jnp.asarray(positions[:, width - window:])))
 
-        return [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]),
-                        output_ids=tuple(int(t) for t in out_tokens[i, :lengths[i]]),
-                        output_logprobs=tuple(float(x) for x in out_logprobs[i, :lengths[i]]),
-                        finish_reason="stop" if stopped[i] else "length",
-                        weight_version=self.weight_version, metadata=dict(metadata[i]), routed_experts=routed(i))
-                for i in range(B)]
+    def _cache(self, prefixes: list[Prefix | None], placed: list[int], starts: list[int], slots: int,
+               length: int) -> KVCache:
+        """The prefill's cache: row u holds its stored prefix's first placed[u] tokens at starts[u]."""
+        width = _bucket(max(placed) or 1)
+
+        def stacked(field: str) -> jax.Array:
+            """[layers, rows, width, ...]: each row's first placed[u] entries of the field, zeros after."""
+            trail = (self.config.num_kv_heads, self.config.head_dim)[:2 if field in ("k", "v") else 1]
+            rows = []
+            for x, n in zip(prefixes, placed):
+                if x is None or not n:
+                    rows.append(jnp.zeros((self.config.num_layers, width, *trail), jnp.float32))
+                else:
+                    part = getattr(x, field)[:, :n].astype(jnp.float32)
+                    rows.append(jnp.pad(part, [(0, 0), (0, width - n)] + [(0, 0)] * len(trail)))
+            return jnp.stack(rows, axis=1)
+        fp8 = _is_fp8(self.cache_dtype)
+        return _cache_with_prefixes(self.config, slots, self.cache_dtype, jnp.int32(length),
+                                    jnp.asarray(starts, jnp.int32), jnp.asarray(placed, jnp.int32), stacked("k"),
+                                    stacked("v"), stacked("k_scale") if fp8 else None,
+                                    stacked("v_scale") if fp8 else None)
+
+    def _keep(self, rollouts: list[Rollout], cache: KVCache, width: int, plan: _Plan) -> None:
+        """Store each row's prompt + output KV (its valid slots), in place of the prefix it extended."""
+        for i, rollout in enumerate(rollouts):
+            a, b = width - len(rollout.prompt_ids), width + len(rollout.output_ids)
+            part = lambda x: None if x is None else x[:, i, a:b]  # noqa: E731
+            routing = rollout.routed_experts
+            self.prefix_store.add(Prefix(ids=rollout.prompt_ids + rollout.output_ids, k=part(cache.k), v=part(cache.v),
+                                         k_scale=part(cache.k_scale), v_scale=part(cache.v_scale),
+                                         routing=None if routing is None else np.asarray(routing)),
+                                  extends=plan.prefixes[plan.row_of[i]])

@@ -1,0 +1,90 @@
+"""The embedded engine's prefix cache: a request that extends a sequence the engine ran (an
+episode's next turn) prefills only what was appended, and the samples of one prompt share its
+prefill; every token and log-prob equals the cache-off engine's (same keys), for a dense model, a
+MoE model with its routing recorded, and a float8 KV cache; the store is bounded, evicts the
+least recently used, and forgets everything on a weight update."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from ppo_setup import TINY_MOE
+from test_sampler import CONFIG, make_model
+
+from opd_jax.models import Decoder
+from opd_jax.sampling import Sampler, SamplingParams
+from opd_jax.sampling.prefix_cache import Prefix, PrefixStore
+
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+
+def episodes(sampler, turns=3, seed=0, group=2):
+    """Multi-turn episodes through `sampler`: 3 prompts × `group` samples; each later turn's prompt
+    is the previous prompt + output + an 'observation' of 3 tokens. Returns every turn's rollouts."""
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in (5, 9, 3) for _ in range(group)]
+    out = []
+    for turn in range(turns):
+        keys = jax.random.split(jax.random.key(100 + turn), len(prompts))
+        rollouts = sampler.generate(prompts, PARAMS, keys)
+        out.append(rollouts)
+        prompts = [list(r.prompt_ids + r.output_ids) + list(rng.integers(0, CONFIG.vocab_size, 3)) for r in rollouts]
+    return out
+
+
+def assert_same(a, b, atol=1e-4):
+    for turn_a, turn_b in zip(a, b):
+        for x, y in zip(turn_a, turn_b):
+            assert x.prompt_ids == y.prompt_ids and x.output_ids == y.output_ids and x.finish_reason == y.finish_reason
+            np.testing.assert_allclose(x.output_logprobs, y.output_logprobs, atol=atol)
+            if x.routed_experts is not None:
+                np.testing.assert_array_equal(x.routed_experts, y.routed_experts)
+
+
+@pytest.mark.parametrize("kv", [None, "float8_e4m3fn"])
+def test_episodes_with_the_cache_equal_those_without(kv):
+    model = make_model()
+    off = Sampler(model, kv_cache_dtype=kv)
+    on = Sampler(model, kv_cache_dtype=kv, prefix_cache_tokens=10_000)
+    plain, cached = episodes(off), episodes(on)
+    assert_same(plain, cached, atol=1e-4 if kv is None else 2e-2)
+    stats = on.prefix_store.stats.take()
+    assert stats["prefix_hit_tokens"] > 0 and stats["prefix_hit_frac"] > 0.5  # later turns come from the store
+    saved = on.prefill_stats.take()["prefill_saved_frac"]
+    assert saved > 0.4, saved  # equal prompts share a prefill, later turns prefill only what was appended
+
+
+def test_a_moe_models_routing_is_recorded_for_cached_prompt_tokens_too():
+    model = Decoder(TINY_MOE, rngs=nnx.Rngs(3))
+    plain = episodes(Sampler(model))
+    cached = episodes(Sampler(model, prefix_cache_tokens=10_000))
+    assert_same(plain, cached)
+    for rollout in cached[-1]:  # every prompt and output token has its experts
+        assert rollout.routed_experts.shape[0] == len(rollout.prompt_ids) + len(rollout.output_ids)
+
+
+def test_a_weight_update_forgets_the_store_and_eviction_falls_back_to_a_full_prefill():
+    model = make_model()
+    sampler = Sampler(model, prefix_cache_tokens=10_000)
+    episodes(sampler, turns=1)
+    assert len(sampler.prefix_store) == 6
+    sampler.update_weights(make_model(seed=1), 1)
+    assert len(sampler.prefix_store) == 0
+    small = Sampler(model, prefix_cache_tokens=30)  # room for about two sequences: most later turns miss
+    assert_same(episodes(Sampler(model)), episodes(small))
+    assert small.prefix_store.tokens <= 30 and small.prefix_store.stats.evictions > 0
+
+
+def test_the_store_matches_the_longest_proper_prefix_and_evicts_the_least_recently_used():
+    def entry(ids):
+        return Prefix(ids=tuple(ids), k=np.zeros((1, len(ids), 1, 1)), v=np.zeros((1, len(ids), 1, 1)))
+    store = PrefixStore(capacity=10)
+    store.add(entry([1, 2]))
+    store.add(entry([1, 2, 3, 4]))
+    assert store.match([1, 2, 3, 4, 5]).ids == (1, 2, 3, 4)
+    assert store.match([1, 2, 3, 4]).ids == (1, 2)  # a proper prefix: one token is left to prefill
+    assert store.match([2, 1]) is None
+    store.add(entry([7, 7, 7, 7, 7]))  # 11 tokens: the least recently used, (1, 2, 3, 4), goes
+    assert store.match([1, 2, 3, 4, 5]).ids == (1, 2) and store.tokens == 7
+    store.add(entry([1, 2, 9]), extends=store.match([1, 2, 9, 9]))  # the extension replaces what it grew from
+    assert store.match([1, 2, 5]) is None and store.match([1, 2, 9, 5]).ids == (1, 2, 9)
