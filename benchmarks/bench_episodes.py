@@ -36,6 +36,8 @@ ENVS = {"search": "{hi: 15, max_guesses: 6}", "calculator": "{max_calls: 6}", "g
 def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:
     run_dir = out / f"{env}-{engine}"
     config = ROOT / "configs" / "quickstart.yaml"
+    if engine.endswith("-nocache"):  # the embedded engine without its prefix cache
+        engine, extra = engine.removesuffix("-nocache"), ["rollout.prefix_cache_gib=0", *extra]
     if engine == "continuous":
         extra = ["rollout.decode_slots=32", *extra]
     if engine == "sglang":
@@ -56,6 +58,8 @@ def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:
     episodes = 8 * 4
     return {"episodes_per_s": float(np.median([episodes / r["rollout/wait_s"] for r in rows])),
             "model_tokens_per_s": float(np.median([r["rollout/tokens_per_s"] for r in rows])),
+            "prefill_saved_frac": float(np.mean([r.get("rollout/prefill_saved_frac", 0.0) for r in rows])),
+            "prefix_hit_frac": float(np.mean([r.get("rollout/prefix_hit_frac", 0.0) for r in rows])),
             "tokens_per_episode": float(np.mean([r["episodes/tokens"] for r in rows])),
             "turns_per_episode": float(np.mean([r["episodes/turns"] for r in rows])),
             "steps_measured": len(rows)}
@@ -64,8 +68,9 @@ def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
-    parser.add_argument("--engines", nargs="+", default=["embedded", "continuous", "sglang"],
-                        choices=["embedded", "continuous", "sglang"])
+    parser.add_argument("--engines", nargs="+", default=["embedded-nocache", "embedded", "continuous-nocache",
+                                                         "continuous", "sglang"],
+                        choices=["embedded", "embedded-nocache", "continuous", "continuous-nocache", "sglang"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_episodes")
     parser.add_argument("overrides", nargs="*")
@@ -77,11 +82,12 @@ def main() -> None:
                for env in args.envs}
     print(f"\nepisode throughput, {machine()}, 32 episodes per step (8 instances x 4 samples), median over steps "
           f"2..{args.steps}; a random policy, so episodes run to their budgets\n")
-    print("| environment | engine | turns / tokens per episode | episodes/s | model tokens/s | vs embedded (static) |")
+    print("| environment | engine | turns / tokens per episode | episodes/s | model tokens/s | vs static, no cache |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for env, r in results.items():
         for engine, e in r.items():
-            ratio = e["episodes_per_s"] / r["embedded"]["episodes_per_s"] if "embedded" in r else float("nan")
+            base = r.get("embedded-nocache", r.get("embedded"))
+            ratio = e["episodes_per_s"] / base["episodes_per_s"] if base else float("nan")
             print(f"| {env} | {engine} | {e['turns_per_episode']:.1f} / {e['tokens_per_episode']:.0f} | "
                   f"{e['episodes_per_s']:.2f} | {e['model_tokens_per_s']:.0f} | {ratio:.2f}x |")
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))

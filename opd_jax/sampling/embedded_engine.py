@@ -185,7 +185,10 @@ class EmbeddedEngine:
         return True
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        """Since the last call: the share of prompt tokens the batches did not prefill (equal
+        prompts shared, stored prefixes extended) and the prefix store's hits and evictions."""
+        store = self.sampler.prefix_store
+        return {**self.sampler.prefill_stats.take(), **(store.stats.take() if store is not None else {})}
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(token_i | tokens before it) for every token after the first of each sequence,

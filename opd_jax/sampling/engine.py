@@ -15,6 +15,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,31 +37,45 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "slots", "dtype"))
-def _cache_with_prefixes(config: Any, slots: int, dtype: str, length: jax.Array, starts: jax.Array,
-                         counts: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
-                         v_scale: jax.Array | None) -> KVCache:
-    """An empty cache of k.shape[1] rows × `slots` with each row's stored prefix KV [layers, rows,
-    C, heads, dim] (its first counts[r] tokens) written at slots starts[r]..; `length` written."""
+def _cache_with_prefixes(model: Decoder, slots: int, dtype: str, prefixes: _Prefixes) -> KVCache:
+    """An empty cache of one row per prompt × `slots`, each row's stored prefix KV ([layers, rows,
+    C, ...]: its first counts[r] tokens) written at slots starts[r].., its length prefixes.length."""
+    k = prefixes.k
     U, C = k.shape[1], k.shape[2]
-    cache = KVCache.empty(config, U, slots, dtype)
+    cache = KVCache.empty(model.config, U, slots, dtype)
     rows = jnp.arange(U)[:, None]
-    cols = jnp.where(jnp.arange(C)[None] < counts[:, None], starts[:, None] + jnp.arange(C)[None], slots)
+    cols = jnp.where(jnp.arange(C)[None] < prefixes.counts[:, None], prefixes.starts[:, None] + jnp.arange(C)[None],
+                     slots)
     put = lambda big, new: None if big is None else big.at[:, rows, cols].set(new.astype(big.dtype), mode="drop")  # noqa: E731
-    return cache.replace(k=put(cache.k, k), v=put(cache.v, v), k_scale=put(cache.k_scale, k_scale),
-                         v_scale=put(cache.v_scale, v_scale), valid=cache.valid.at[rows, cols].set(True, mode="drop"),
-                         length=length)
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, prefixes.v), k_scale=put(cache.k_scale, prefixes.k_scale),
+                         v_scale=put(cache.v_scale, prefixes.v_scale),
+                         valid=cache.valid.at[rows, cols].set(True, mode="drop"), length=prefixes.length)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new"), donate_argnames=("cache",))
-def _generate(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, window: jax.Array, window_mask: jax.Array,
-              window_positions: jax.Array, row_of: jax.Array, row_keys: jax.Array, temperature: jax.Array,
-              top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, row_max_new: jax.Array, pad_id: jax.Array, *,
-              max_new: int):
-    """Prefill the prompts' last window columns [U, S] (whatever precedes them is in `cache`: a
-    stored prefix, or nothing), then decode the B rows, row b a copy of prompt row_of[b] (the
-    samples of one prompt share its prefill)."""
+@flax.struct.dataclass
+class _Prefixes:
+    """What precedes each prompt's prefill window: KV [layers, rows, C, ...] (C = the columns before
+    the window), how many of its columns each row fills and where they start, the window's start."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None
+    v_scale: jax.Array | None
+    counts: jax.Array  # [rows]
+    starts: jax.Array  # [rows]
+    length: jax.Array  # scalar: the cache slots before the window
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "slots", "kv_dtype"))
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: _Prefixes, window: jax.Array,
+              window_mask: jax.Array, window_positions: jax.Array, row_of: jax.Array, row_keys: jax.Array,
+              temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, row_max_new: jax.Array,
+              pad_id: jax.Array, *, max_new: int, slots: int, kv_dtype: str):
+    """Prefill the prompts' last window columns [U, S] (what precedes them comes from `prefixes`:
+    stored KV, or nothing), then decode the B rows, row b a copy of prompt row_of[b] (the samples
+    of one prompt share its prefill)."""
     model: Decoder = nnx.merge(graphdef, state)
+    cache = _cache_with_prefixes(model, slots, kv_dtype, prefixes)
     logits, cache, window_routing = model.decode(window, cache, positions=window_positions,
                                                  attention_mask=window_mask)
     copy = lambda x: None if x is None else jnp.take(x, row_of, axis=1)  # noqa: E731  ([layers, rows, ...])
@@ -112,7 +127,7 @@ class _Plan:
     prompts: list[list[int]]  # [B]
     prefixes: list[Prefix | None]  # per unique prompt: the stored sequence it extends
     window_width: int  # prompt columns prefilled (the last ones)
-    cache: KVCache
+    cache: _Prefixes
     window: tuple[jax.Array, jax.Array, jax.Array]  # tokens, mask, positions [unique rows, window]
 
     def routed(self, i: int, routing: Any, length: int) -> np.ndarray | None:
@@ -231,7 +246,8 @@ class Sampler:
             jnp.asarray([p.temperature for p in per_row], jnp.float32),
             jnp.asarray([p.top_k for p in per_row], jnp.int32),
             jnp.asarray([p.top_p for p in per_row], jnp.float32), jnp.asarray(stop_ids),
-            jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id), max_new=max_new)
+            jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id), max_new=max_new,
+            slots=width + max_new, kv_dtype=self.cache_dtype)
         out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(out)
         rollouts = [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]),
                             output_ids=tuple(int(t) for t in out_tokens[i, :lengths[i]]),
@@ -255,7 +271,7 @@ class Sampler:
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
         prefixes += [None] * (rows - len(real))
         suffix = max(len(p) - (len(x) if x is not None else 0) for p, x in zip(real, prefixes))
-        window = min(width, _bucket(suffix, minimum=8))
+        window = min(width, _bucket(suffix))
         tokens = np.full((rows, width), self.pad_id, np.int32)
         mask = np.zeros((rows, width), bool)
         for u, prompt in enumerate(padded):
@@ -263,41 +279,39 @@ class Sampler:
             mask[u, width - len(prompt):] = True
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
         placed = [max(0, len(p) - window) if x is not None else 0 for p, x in zip(padded, prefixes)]
-        cache = self._cache(prefixes, placed, [width - len(p) for p in padded], width + max_new, width - window)
+        cache = self._cache(prefixes, placed, [width - len(p) for p in padded], width - window)
         self.prefill_stats.add(sum(len(p) for p in prompts), sum(min(window, len(p)) for p in real))
         return _Plan(row_of=row_of, prompts=[list(p) for p in prompts], prefixes=prefixes, window_width=window,
                      cache=cache, window=(jnp.asarray(tokens[:, width - window:]), jnp.asarray(mask[:, width - window:]),
                                           jnp.asarray(positions[:, width - window:])))
 
-    def _cache(self, prefixes: list[Prefix | None], placed: list[int], starts: list[int], slots: int,
-               length: int) -> KVCache:
-        """The prefill's cache: row u holds its stored prefix's first placed[u] tokens at starts[u]."""
-        width = _bucket(max(placed) or 1)
-
-        def stacked(field: str) -> jax.Array:
-            """[layers, rows, width, ...]: each row's first placed[u] entries of the field, zeros after."""
-            trail = (self.config.num_kv_heads, self.config.head_dim)[:2 if field in ("k", "v") else 1]
-            rows = []
-            for x, n in zip(prefixes, placed):
-                if x is None or not n:
-                    rows.append(jnp.zeros((self.config.num_layers, width, *trail), jnp.float32))
-                else:
-                    part = getattr(x, field)[:, :n].astype(jnp.float32)
-                    rows.append(jnp.pad(part, [(0, 0), (0, width - n)] + [(0, 0)] * len(trail)))
-            return jnp.stack(rows, axis=1)
+    def _cache(self, prefixes: list[Prefix | None], placed: list[int], starts: list[int], before: int) -> _Prefixes:
+        """Row u's stored prefix: its first placed[u] tokens, to go at slots starts[u]..; `before`:
+        the columns ahead of the prefill window (the width every row's KV is padded to). Built on
+        the host: one transfer, no per-shape device ops."""
         fp8 = _is_fp8(self.cache_dtype)
-        return _cache_with_prefixes(self.config, slots, self.cache_dtype, jnp.int32(length),
-                                    jnp.asarray(starts, jnp.int32), jnp.asarray(placed, jnp.int32), stacked("k"),
-                                    stacked("v"), stacked("k_scale") if fp8 else None,
-                                    stacked("v_scale") if fp8 else None)
+        c = self.config
+
+        def stacked(field: str) -> np.ndarray:
+            trail = (c.num_kv_heads, c.head_dim) if field in ("k", "v") else (c.num_kv_heads,)
+            out = np.zeros((c.num_layers, len(prefixes), before, *trail), np.float32)
+            for u, (x, n) in enumerate(zip(prefixes, placed)):
+                if x is not None and n:
+                    out[:, u, :n] = getattr(x, field)[:, :n]
+            return out
+        return _Prefixes(k=stacked("k"), v=stacked("v"), k_scale=stacked("k_scale") if fp8 else None,
+                         v_scale=stacked("v_scale") if fp8 else None, counts=np.asarray(placed, np.int32),
+                         starts=np.asarray(starts, np.int32), length=np.int32(before))
 
     def _keep(self, rollouts: list[Rollout], cache: KVCache, width: int, plan: _Plan) -> None:
         """Store each row's prompt + output KV (its valid slots), in place of the prefix it extended."""
+        host = jax.device_get({"k": cache.k, "v": cache.v, "k_scale": cache.k_scale, "v_scale": cache.v_scale})
         for i, rollout in enumerate(rollouts):
             a, b = width - len(rollout.prompt_ids), width + len(rollout.output_ids)
-            part = lambda x: None if x is None else x[:, i, a:b]  # noqa: E731
+            part = lambda x: None if x is None else np.array(x[:, i, a:b])  # noqa: E731 (a copy, in the cache dtype)
             routing = rollout.routed_experts
-            self.prefix_store.add(Prefix(ids=rollout.prompt_ids + rollout.output_ids, k=part(cache.k), v=part(cache.v),
-                                         k_scale=part(cache.k_scale), v_scale=part(cache.v_scale),
+            self.prefix_store.add(Prefix(ids=rollout.prompt_ids + rollout.output_ids, k=part(host["k"]),
+                                         v=part(host["v"]), k_scale=part(host["k_scale"]),
+                                         v_scale=part(host["v_scale"]),
                                          routing=None if routing is None else np.asarray(routing)),
                                   extends=plan.prefixes[plan.row_of[i]])

@@ -16,9 +16,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def prefix_tokens(config: Any, dtype: str, budget_bytes: float) -> int:
+    """How many tokens' KV fit in `budget_bytes` for a model of `config` with a KV cache of
+    `dtype` (a float8 cache adds its float32 scales)."""
+    per_value = np.dtype(jnp.dtype(dtype)).itemsize
+    values = 2 * config.num_layers * config.num_kv_heads
+    per_token = values * (config.head_dim * per_value + (4 if per_value == 1 else 0))
+    return int(budget_bytes // per_token)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from opd_jax.config import ConfigError, RolloutSection
 from opd_jax.config.schema import SGLangClientSection
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, save_model
 from opd_jax.sampling import EmbeddedEngine, Sampler
+from opd_jax.sampling.prefix_cache import prefix_tokens
 from opd_jax.train.build import EngineNumerics, engine_model
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
@@ -112,8 +113,11 @@ def make_engine(rollout: RolloutSection, seed: int, update: WeightUpdate, *, max
     """A started engine serving `update` (the policy the run starts from). `routing`: SGLang
     servers are asked for the experts of every token (the embedded engine always records them)."""
     if rollout.engine == "embedded":
-        sampler = Sampler(update.model(), max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version,
-                          kv_cache_dtype=rollout.kv_cache_dtype, slots=rollout.decode_slots)
+        model = update.model()
+        sampler = Sampler(model, max_cache_len=max_cache_len, pad_id=pad_id, weight_version=update.version,
+                          kv_cache_dtype=rollout.kv_cache_dtype, slots=rollout.decode_slots,
+                          prefix_cache_tokens=prefix_tokens(model.config, rollout.kv_cache_dtype or rollout.dtype,
+                                                            rollout.prefix_cache_gib * 2**30))
         return EngineThread(EmbeddedEngine(sampler, seed=seed))
     section = rollout.sglang
     initial = None
