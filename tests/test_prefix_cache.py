@@ -88,3 +88,15 @@ def test_the_store_matches_the_longest_proper_prefix_and_evicts_the_least_recent
     assert store.match([1, 2, 3, 4, 5]).ids == (1, 2) and store.tokens == 7
     store.add(entry([1, 2, 9]), extends=store.match([1, 2, 9, 9]))  # the extension replaces what it grew from
     assert store.match([1, 2, 5]) is None and store.match([1, 2, 9, 5]).ids == (1, 2, 9)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_continuous_batching_with_the_cache_equals_it_without(moe):
+    """Decode slots (fewer than the requests, so they are admitted as slots free up): later turns
+    extend the stored sequences, and tokens, log-probs and experts equal the cache-off engine's."""
+    model = Decoder(TINY_MOE, rngs=nnx.Rngs(3)) if moe else make_model()
+    plain = episodes(Sampler(model, slots=4))
+    on = Sampler(model, slots=4, prefix_cache_tokens=10_000)
+    cached = episodes(on)
+    assert_same(plain, cached)
+    assert on.prefix_store.stats.take()["prefix_hit_frac"] > 0.5

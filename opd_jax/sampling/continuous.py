@@ -24,6 +24,7 @@ from flax import nnx
 
 from opd_jax.models.decoder import Decoder, KVCache
 from opd_jax.sampling.ops import sample_tokens
+from opd_jax.sampling.prefix_cache import PrefillStats, Prefix, Prefixes, PrefixStore, cache_with_prefixes, prefill_window
 
 
 @flax.struct.dataclass
@@ -65,16 +66,19 @@ def empty_slots(model: Decoder, slots: int, cache_len: int, max_new: int, n_stop
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("slots",))
-def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Array, prompt: jax.Array,
-           prompt_mask: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           stop_ids: jax.Array, max_new: jax.Array) -> tuple[Slots, jax.Array | None]:
-    """Prefill n new prompts (left-padded [n, P]) and put them in slots `where` [n] (an index past
-    the last slot: a padding row, dropped). Returns the slots and the prompts' experts (MoE)."""
+def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Array, before: Prefixes,
+           window: jax.Array, window_mask: jax.Array, positions: jax.Array, keys: jax.Array, temperature: jax.Array,
+           top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, max_new: jax.Array
+           ) -> tuple[Slots, jax.Array | None]:
+    """Prefill n new prompts (left-padded to P columns; only their last window [n, S] is computed,
+    what precedes it comes from `before`: stored prefixes, or nothing) and put them in slots
+    `where` [n] (an index past the last slot: a padding row, dropped). Returns the slots and the
+    window's experts (MoE)."""
     model: Decoder = nnx.merge(graphdef, state)
-    n, P = prompt.shape
-    cache = KVCache.empty(model.config, n, slots.cache.slots, slots.cache.k.dtype)
-    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
-    logits, cache, routing = model.decode(prompt, cache, positions=positions, attention_mask=prompt_mask)
+    n, S = window.shape
+    P = before.length + S
+    cache = cache_with_prefixes(model.config, slots.cache.slots, slots.cache.k.dtype, before)
+    logits, cache, routing = model.decode(window, cache, positions=positions, attention_mask=window_mask)
 
     def put(big, new, axis=0):
         index = (slice(None),) * axis + (where,)
@@ -132,6 +136,13 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, pad_id: jax.
     return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots, jnp.zeros((), bool)))[1]
 
 
+@jax.jit
+def _slot_row(cache: KVCache, slot: jax.Array) -> dict[str, jax.Array | None]:
+    """One slot's keys and values [layers, cache_len, ...] (one compiled shape for every slot)."""
+    take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, slot, axis=1, keepdims=False)  # noqa: E731
+    return {"k": take(cache.k), "v": take(cache.v), "k_scale": take(cache.k_scale), "v_scale": take(cache.v_scale)}
+
+
 def _grow(slots: Slots, *, max_new: int, n_stop: int) -> Slots:
     """The slots with longer output buffers or stop lists (padded: no outputs, no stop ids), so a
     request with a larger budget joins without a restart. The cache keeps its length: a longer
@@ -168,15 +179,20 @@ class DecodeSlots:
     waits for a slot, and requests admitted together share one prefill."""
 
     def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, *, slots: int, cache_len: int, pad_id: int,
-                 kv_dtype: Any = None, chunk: int = 16, max_new: int = 1, n_stop: int = 4, open_queue: bool = False):
+                 kv_dtype: Any = None, chunk: int = 16, max_new: int = 1, n_stop: int = 4, open_queue: bool = False,
+                 prefix_store: PrefixStore | None = None, prefill_stats: PrefillStats | None = None):
         self.graphdef, self.state, self.pad_id, self.chunk = graphdef, state, pad_id, chunk
         self.open_queue = open_queue
         model: Decoder = nnx.merge(graphdef, state)
-        self._slots = empty_slots(model, slots, cache_len, _bucket(max_new), _bucket(n_stop, 4),
-                                  kv_dtype or model.backbone.compute_dtype)
+        self.config = model.config
+        self.kv_dtype = jnp.dtype(kv_dtype or model.backbone.compute_dtype).name
+        self._slots = empty_slots(model, slots, cache_len, _bucket(max_new), _bucket(n_stop, 4), self.kv_dtype)
         self._waiting: collections.deque = collections.deque()
         self._owner: list[Any] = [None] * slots
         self._prompt_routing: dict[int, np.ndarray] = {}
+        # a prefix store: a request that extends a stored sequence prefills only what follows it
+        self.prefix_store, self.prefill_stats = prefix_store, prefill_stats or PrefillStats()
+        self._held: dict[int, tuple[list[int], int, Prefix | None]] = {}  # slot -> prompt, its first slot, prefix
 
     @property
     def busy(self) -> bool:
@@ -211,26 +227,29 @@ class DecodeSlots:
         prompt_width = max(longest, min(_bucket(longest, 16), self._slots.cache.slots - max_new))
         self._fit(max_new, max(len(q.stop_token_ids) for _, _, q, _ in take))
         n_stop = self._slots.stop_ids.shape[1]
-        tokens = np.full((width, prompt_width), self.pad_id, np.int32)
-        mask = np.zeros((width, prompt_width), bool)
         stops = np.full((width, n_stop), -1, np.int32)
         where = np.full(width, len(self._owner), np.int32)  # past the last slot: dropped
         keys = jnp.stack([k for _, _, _, k in take] + [take[0][3]] * (width - len(take)))
+        prompts = [p for _, p, _, _ in take] + [[self.pad_id]] * (width - len(take))  # padding rows: one token
+        prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in prompts[:len(take)]]
+        prefixes += [None] * (width - len(take))
+        window = prefill_window(self.config, self.kv_dtype, prompts, prefixes, prompt_width, self.pad_id)
+        self.prefill_stats.add(sum(len(p) for _, p, _, _ in take),
+                               sum(min(window.width, len(p)) for _, p, _, _ in take))
         for j, (ticket, prompt, params, _) in enumerate(take):
-            tokens[j, prompt_width - len(prompt):] = prompt
-            mask[j, prompt_width - len(prompt):] = True
             stops[j, :len(params.stop_token_ids)] = params.stop_token_ids
             where[j], self._owner[free[j]] = free[j], ticket
-        mask[len(take):, -1] = True  # padding rows: one real token, so nothing is fully masked
+            self._held[free[j]] = prompt, prompt_width - len(prompt), prefixes[j]
         field = lambda name, dtype: jnp.asarray([getattr(t[2], name) for t in take]  # noqa: E731
                                                 + [getattr(take[0][2], name)] * (width - len(take)), dtype)
-        self._slots, routed = _admit(self.graphdef, self.state, self._slots, jnp.asarray(where), jnp.asarray(tokens),
-                                     jnp.asarray(mask), keys, field("temperature", jnp.float32), field("top_k", jnp.int32),
-                                     field("top_p", jnp.float32), jnp.asarray(stops), field("max_new_tokens", jnp.int32))
+        self._slots, routed = _admit(self.graphdef, self.state, self._slots, jnp.asarray(where), window.before,
+                                     *window.arrays(), keys, field("temperature", jnp.float32),
+                                     field("top_k", jnp.int32), field("top_p", jnp.float32), jnp.asarray(stops),
+                                     field("max_new_tokens", jnp.int32))
         if routed is not None:
             routed = np.asarray(routed)
             for j, (_, prompt, _, _) in enumerate(take):
-                self._prompt_routing[free[j]] = routed[j, prompt_width - len(prompt):]
+                self._prompt_routing[free[j]] = window.prompt_routing(routed[j], prefixes[j], len(prompt))
 
     def step(self) -> list[tuple[Any, Result]]:
         """Admit what waits into free slots (in the order it came), decode one chunk, return what
@@ -250,18 +269,34 @@ class DecodeSlots:
                 n = int(step[s])
                 experts = None if got[3] is None else np.concatenate([self._prompt_routing.pop(s), got[3][s, :n]])
                 out.append((self._owner[s], (got[0][s, :n], got[1][s, :n], bool(got[2][s]), experts)))
+                self._keep(s, [int(t) for t in got[0][s, :n]], experts)
                 self._owner[s] = None
         return out
+
+    def _keep(self, slot: int, output: list[int], experts: np.ndarray | None) -> None:
+        """Store a finished request's prompt + output KV (its slot's valid span), in place of the
+        prefix it extended."""
+        prompt, first, extended = self._held.pop(slot)
+        if self.prefix_store is None:
+            return
+        row = jax.device_get(_slot_row(self._slots.cache, jnp.int32(slot)))
+        span = slice(first, first + len(prompt) + len(output))
+        part = lambda x: None if x is None else np.array(x[:, span])  # noqa: E731 (a copy, in the cache dtype)
+        self.prefix_store.add(Prefix(ids=tuple(prompt) + tuple(output), k=part(row["k"]), v=part(row["v"]),
+                                     k_scale=part(row["k_scale"]), v_scale=part(row["v_scale"]), routing=experts),
+                              extends=extended)
 
 
 def generate_continuous(graphdef: nnx.GraphDef, state: nnx.State, prompts: Sequence[Sequence[int]],
                         params: Sequence[Any], row_keys: jax.Array, *, slots: int, cache_len: int, pad_id: int,
-                        kv_dtype: Any = None, chunk: int = 16) -> list[Result]:
+                        kv_dtype: Any = None, chunk: int = 16, prefix_store: PrefixStore | None = None,
+                        prefill_stats: PrefillStats | None = None) -> list[Result]:
     """Every request through `slots` decode slots (`DecodeSlots`), admitted in order as slots free
     up; the results in the order of the requests."""
     decoding = DecodeSlots(graphdef, state, slots=slots, cache_len=cache_len, pad_id=pad_id, kv_dtype=kv_dtype,
                            chunk=chunk, max_new=max(q.max_new_tokens for q in params),
-                           n_stop=max(len(q.stop_token_ids) for q in params) or 1)
+                           n_stop=max(len(q.stop_token_ids) for q in params) or 1, prefix_store=prefix_store,
+                           prefill_stats=prefill_stats)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         decoding.submit(i, prompt, p, row_keys[i])
     results: list[Any] = [None] * len(prompts)

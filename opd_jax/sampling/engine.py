@@ -15,17 +15,24 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from opd_jax.errors import OpdJaxError
-from opd_jax.models.decoder import Decoder, KVCache, _is_fp8
+from opd_jax.models.decoder import Decoder, KVCache
 from opd_jax.sampling.continuous import DecodeSlots, Result, generate_continuous
 from opd_jax.sampling.ops import sample_tokens
-from opd_jax.sampling.prefix_cache import PrefillStats, Prefix, PrefixStore
+from opd_jax.sampling.prefix_cache import (
+    PrefillStats,
+    PrefillWindow,
+    Prefix,
+    Prefixes,
+    PrefixStore,
+    cache_with_prefixes,
+    prefill_window,
+)
 from rollout_bridge.records import Rollout, SamplingParams
 
 
@@ -37,37 +44,8 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def _cache_with_prefixes(model: Decoder, slots: int, dtype: str, prefixes: _Prefixes) -> KVCache:
-    """An empty cache of one row per prompt × `slots`, each row's stored prefix KV ([layers, rows,
-    C, ...]: its first counts[r] tokens) written at slots starts[r].., its length prefixes.length."""
-    k = prefixes.k
-    U, C = k.shape[1], k.shape[2]
-    cache = KVCache.empty(model.config, U, slots, dtype)
-    rows = jnp.arange(U)[:, None]
-    cols = jnp.where(jnp.arange(C)[None] < prefixes.counts[:, None], prefixes.starts[:, None] + jnp.arange(C)[None],
-                     slots)
-    put = lambda big, new: None if big is None else big.at[:, rows, cols].set(new.astype(big.dtype), mode="drop")  # noqa: E731
-    return cache.replace(k=put(cache.k, k), v=put(cache.v, prefixes.v), k_scale=put(cache.k_scale, prefixes.k_scale),
-                         v_scale=put(cache.v_scale, prefixes.v_scale),
-                         valid=cache.valid.at[rows, cols].set(True, mode="drop"), length=prefixes.length)
-
-
-@flax.struct.dataclass
-class _Prefixes:
-    """What precedes each prompt's prefill window: KV [layers, rows, C, ...] (C = the columns before
-    the window), how many of its columns each row fills and where they start, the window's start."""
-
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array | None
-    v_scale: jax.Array | None
-    counts: jax.Array  # [rows]
-    starts: jax.Array  # [rows]
-    length: jax.Array  # scalar: the cache slots before the window
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "slots", "kv_dtype"))
-def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: _Prefixes, window: jax.Array,
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: Prefixes, window: jax.Array,
               window_mask: jax.Array, window_positions: jax.Array, row_of: jax.Array, row_keys: jax.Array,
               temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, row_max_new: jax.Array,
               pad_id: jax.Array, *, max_new: int, slots: int, kv_dtype: str):
@@ -75,7 +53,7 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: _Prefixes, win
     stored KV, or nothing), then decode the B rows, row b a copy of prompt row_of[b] (the samples
     of one prompt share its prefill)."""
     model: Decoder = nnx.merge(graphdef, state)
-    cache = _cache_with_prefixes(model, slots, kv_dtype, prefixes)
+    cache = cache_with_prefixes(model.config, slots, kv_dtype, prefixes)
     logits, cache, window_routing = model.decode(window, cache, positions=window_positions,
                                                  attention_mask=window_mask)
     copy = lambda x: None if x is None else jnp.take(x, row_of, axis=1)  # noqa: E731  ([layers, rows, ...])
@@ -126,9 +104,7 @@ class _Plan:
     row_of: np.ndarray  # [B]: each row's prompt among the unique ones
     prompts: list[list[int]]  # [B]
     prefixes: list[Prefix | None]  # per unique prompt: the stored sequence it extends
-    window_width: int  # prompt columns prefilled (the last ones)
-    cache: _Prefixes
-    window: tuple[jax.Array, jax.Array, jax.Array]  # tokens, mask, positions [unique rows, window]
+    window: PrefillWindow
 
     def routed(self, i: int, routing: Any, length: int) -> np.ndarray | None:
         """[prompt + output tokens, MoE layers, k]: the experts each token of row i went through
@@ -136,10 +112,8 @@ class _Plan:
         if routing is None:
             return None
         window_part, output_part = routing
-        n, S = len(self.prompts[i]), self.window_width
-        stored = self.prefixes[self.row_of[i]]
-        before = [] if n <= S else [stored.routing[:n - S]]
-        return np.concatenate([*before, window_part[i, max(0, S - n):], output_part[i, :length]])
+        prompt = self.window.prompt_routing(window_part[i], self.prefixes[self.row_of[i]], len(self.prompts[i]))
+        return np.concatenate([prompt, output_part[i, :length]])
 
 
 class Sampler:
@@ -195,7 +169,8 @@ class Sampler:
         if self.slots is None:
             raise ValueError("decode_slots needs a Sampler built with slots=")
         return DecodeSlots(self.graphdef, self.state, slots=self.slots, cache_len=self.max_cache_len,
-                           pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype, open_queue=True)
+                           pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype, open_queue=True,
+                           prefix_store=self.prefix_store, prefill_stats=self.prefill_stats)
 
     def rollout(self, prompt: Sequence[int], result: Result, metadata: dict[str, Any] | None = None) -> Rollout:
         """The Rollout of a continuous-batching result (tokens, log-probs, stopped, experts)."""
@@ -234,7 +209,8 @@ class Sampler:
         metadata = metadata or [{} for _ in prompts]
         if self.slots is not None and self.slots < B:
             done = generate_continuous(self.graphdef, self.state, prompts, per_row, row_keys, slots=self.slots,
-                                       cache_len=width + max_new, pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype)
+                                       cache_len=width + max_new, pad_id=self.pad_id, kv_dtype=self.kv_cache_dtype,
+                                       prefix_store=self.prefix_store, prefill_stats=self.prefill_stats)
             return [self.rollout(prompts[i], result, metadata[i]) for i, result in enumerate(done)]
         plan = self._plan(prompts, width, max_new)
         n_stop = _bucket(max(len(p.stop_token_ids) for p in per_row) or 1, minimum=4)
@@ -242,7 +218,7 @@ class Sampler:
         for i, p in enumerate(per_row):
             stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
         *out, cache = _generate(
-            self.graphdef, self.state, plan.cache, *plan.window, jnp.asarray(plan.row_of), row_keys,
+            self.graphdef, self.state, plan.window.before, *plan.window.arrays(), jnp.asarray(plan.row_of), row_keys,
             jnp.asarray([p.temperature for p in per_row], jnp.float32),
             jnp.asarray([p.top_k for p in per_row], jnp.int32),
             jnp.asarray([p.top_p for p in per_row], jnp.float32), jnp.asarray(stop_ids),
@@ -261,47 +237,16 @@ class Sampler:
 
     def _plan(self, prompts: Sequence[Sequence[int]], width: int, max_new: int) -> _Plan:
         """The unique prompts (padded to a bucket of rows with copies of the first), each one's
-        stored prefix, the window of prompt columns left to prefill, and the cache holding what
-        precedes the window."""
+        stored prefix, and what is left to prefill: the window of prompt columns after it."""
         unique: dict[tuple[int, ...], int] = {}
         row_of = np.array([unique.setdefault(tuple(p), len(unique)) for p in prompts], np.int32)
-        real = list(unique)
+        real = [list(p) for p in unique]
         rows = max(len(real), min(len(prompts), _bucket(len(real), minimum=1)))
-        padded = real + [real[0]] * (rows - len(real))
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
-        prefixes += [None] * (rows - len(real))
-        suffix = max(len(p) - (len(x) if x is not None else 0) for p, x in zip(real, prefixes))
-        window = min(width, _bucket(suffix))
-        tokens = np.full((rows, width), self.pad_id, np.int32)
-        mask = np.zeros((rows, width), bool)
-        for u, prompt in enumerate(padded):
-            tokens[u, width - len(prompt):] = prompt
-            mask[u, width - len(prompt):] = True
-        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-        placed = [max(0, len(p) - window) if x is not None else 0 for p, x in zip(padded, prefixes)]
-        cache = self._cache(prefixes, placed, [width - len(p) for p in padded], width - window)
-        self.prefill_stats.add(sum(len(p) for p in prompts), sum(min(window, len(p)) for p in real))
-        return _Plan(row_of=row_of, prompts=[list(p) for p in prompts], prefixes=prefixes, window_width=window,
-                     cache=cache, window=(jnp.asarray(tokens[:, width - window:]), jnp.asarray(mask[:, width - window:]),
-                                          jnp.asarray(positions[:, width - window:])))
-
-    def _cache(self, prefixes: list[Prefix | None], placed: list[int], starts: list[int], before: int) -> _Prefixes:
-        """Row u's stored prefix: its first placed[u] tokens, to go at slots starts[u]..; `before`:
-        the columns ahead of the prefill window (the width every row's KV is padded to). Built on
-        the host: one transfer, no per-shape device ops."""
-        fp8 = _is_fp8(self.cache_dtype)
-        c = self.config
-
-        def stacked(field: str) -> np.ndarray:
-            trail = (c.num_kv_heads, c.head_dim) if field in ("k", "v") else (c.num_kv_heads,)
-            out = np.zeros((c.num_layers, len(prefixes), before, *trail), np.float32)
-            for u, (x, n) in enumerate(zip(prefixes, placed)):
-                if x is not None and n:
-                    out[:, u, :n] = getattr(x, field)[:, :n]
-            return out
-        return _Prefixes(k=stacked("k"), v=stacked("v"), k_scale=stacked("k_scale") if fp8 else None,
-                         v_scale=stacked("v_scale") if fp8 else None, counts=np.asarray(placed, np.int32),
-                         starts=np.asarray(starts, np.int32), length=np.int32(before))
+        padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + [None] * (rows - len(real))
+        window = prefill_window(self.config, self.cache_dtype, padded, prefixes, width, self.pad_id)
+        self.prefill_stats.add(sum(len(p) for p in prompts), sum(min(window.width, len(p)) for p in real))
+        return _Plan(row_of=row_of, prompts=[list(p) for p in prompts], prefixes=prefixes, window=window)
 
     def _keep(self, rollouts: list[Rollout], cache: KVCache, width: int, plan: _Plan) -> None:
         """Store each row's prompt + output KV (its valid slots), in place of the prefix it extended."""

@@ -18,9 +18,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from opd_jax.models.decoder import KVCache
 
 
 def prefix_tokens(config: Any, dtype: str, budget_bytes: float) -> int:
@@ -137,3 +140,96 @@ class PrefixStore:
         self._entries.clear()
         self._lengths.clear()
         self.tokens = 0
+
+
+@flax.struct.dataclass
+class Prefixes:
+    """What precedes each row's prefill window, as the prefill's cache receives it: stored KV
+    [layers, rows, C, ...] (C = the columns before the window), how many of them each row fills,
+    where they start, and the number of cache slots before the window."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None
+    v_scale: jax.Array | None
+    counts: jax.Array  # [rows]
+    starts: jax.Array  # [rows]
+    length: jax.Array  # scalar
+
+
+def cache_with_prefixes(config: Any, slots: int, dtype: str, prefixes: Prefixes) -> KVCache:
+    """An empty cache of one row per prompt × `slots`, row r holding its stored prefix (its first
+    counts[r] columns of prefixes.k / v, and scales) at slots starts[r].., its length the window's
+    start. Traced inside the prefill's jit."""
+    k = prefixes.k
+    U, C = k.shape[1], k.shape[2]
+    cache = KVCache.empty(config, U, slots, dtype)
+    rows = jnp.arange(U)[:, None]
+    cols = jnp.where(jnp.arange(C)[None] < prefixes.counts[:, None], prefixes.starts[:, None] + jnp.arange(C)[None],
+                     slots)
+    put = lambda big, new: None if big is None else big.at[:, rows, cols].set(new.astype(big.dtype), mode="drop")  # noqa: E731
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, prefixes.v), k_scale=put(cache.k_scale, prefixes.k_scale),
+                         v_scale=put(cache.v_scale, prefixes.v_scale),
+                         valid=cache.valid.at[rows, cols].set(True, mode="drop"), length=prefixes.length)
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillWindow:
+    """How rows of left-padded prompts [rows, width] are prefilled: only their last `width`
+    columns (`tokens`, `mask`, `positions`: [rows, width]); what comes before is `before`."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+    before: Prefixes
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jnp.asarray(self.tokens), jnp.asarray(self.mask), jnp.asarray(self.positions)
+
+    def prompt_routing(self, window_routing: np.ndarray, prefix: Prefix | None, length: int) -> np.ndarray:
+        """A prompt's experts per token [length, ...]: the stored prefix's before the window, the
+        window's (this row's, [width, ...]) after."""
+        S = self.width
+        before = [] if length <= S else [prefix.routing[:length - S]]
+        return np.concatenate([*before, window_routing[max(0, S - length):]])
+
+
+def prefill_window(config: Any, dtype: str, prompts: Sequence[Sequence[int]], prefixes: Sequence[Prefix | None],
+                   width: int, pad_id: int) -> PrefillWindow:
+    """The prefill of `prompts`, left-padded to `width` columns, each extending its stored prefix
+    (or None): the window of their last columns that holds every token no prefix covers (a power
+    of two, at least 16, at most `width`), and the stored KV of what precedes it, built on the host
+    (one transfer; no device op per shape)."""
+    suffix = max(len(p) - (len(x) if x is not None else 0) for p, x in zip(prompts, prefixes))
+    S = min(width, _bucket(suffix))
+    rows = len(prompts)
+    tokens = np.full((rows, width), pad_id, np.int32)
+    mask = np.zeros((rows, width), bool)
+    for u, prompt in enumerate(prompts):
+        tokens[u, width - len(prompt):] = prompt
+        mask[u, width - len(prompt):] = True
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+    placed = [max(0, len(p) - S) if x is not None else 0 for p, x in zip(prompts, prefixes)]
+    before = width - S
+    fp8 = np.dtype(jnp.dtype(dtype)).itemsize == 1
+
+    def stacked(field: str) -> np.ndarray:
+        trail = (config.num_kv_heads, config.head_dim) if field in ("k", "v") else (config.num_kv_heads,)
+        out = np.zeros((config.num_layers, rows, before, *trail), np.float32)
+        for u, (x, n) in enumerate(zip(prefixes, placed)):
+            if x is not None and n:
+                out[:, u, :n] = getattr(x, field)[:, :n]
+        return out
+    stored = Prefixes(k=stacked("k"), v=stacked("v"), k_scale=stacked("k_scale") if fp8 else None,
+                      v_scale=stacked("v_scale") if fp8 else None, counts=np.asarray(placed, np.int32),
+                      starts=np.asarray([width - len(p) for p in prompts], np.int32), length=np.int32(before))
+    return PrefillWindow(tokens=tokens[:, before:], mask=mask[:, before:], positions=positions[:, before:],
+                         before=stored)
