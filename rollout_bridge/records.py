@@ -71,6 +71,9 @@ class Request:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     request_id: str = dataclasses.field(default_factory=new_request_id)
     seed: int | None = None  # per-request sampling seed, where the engine honours one
+    # requests of one session (an episode's turns, each extending the last) go to the server that
+    # served the session before, whose prefix cache holds its past; None: any server
+    session: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

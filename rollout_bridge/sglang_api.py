@@ -95,6 +95,8 @@ class Output:
     weight_version: str | None
     abort_message: str | None = None
     routed_experts: str | None = None  # meta_info.routed_experts as sent (base64), see `decode_routed_experts`
+    prompt_tokens: int | None = None  # meta_info.prompt_tokens: the request's prompt
+    cached_tokens: int | None = None  # meta_info.cached_tokens: of them, found in the server's radix cache
 
 
 def _finish(meta: dict[str, Any]) -> tuple[FinishReason | None, str | None]:
@@ -139,8 +141,10 @@ def parse_output(payload: Any) -> Output:
     routed = meta.get("routed_experts")
     if routed is not None and not isinstance(routed, str):
         raise ProtocolError(f"meta_info.routed_experts should be a base64 string, got {type(routed).__name__}")
+    counts = [meta.get(k) for k in ("prompt_tokens", "cached_tokens")]
+    prompt_tokens, cached_tokens = (int(v) if isinstance(v, int) and not isinstance(v, bool) else None for v in counts)
     return Output(tuple(ids), tuple(lp for lp, _ in pairs), finish, int(completion),
-                  None if version is None else str(version), abort_message, routed)
+                  None if version is None else str(version), abort_message, routed, prompt_tokens, cached_tokens)
 
 
 def merge_stream(so_far: Output | None, event: Output) -> Output:
@@ -154,7 +158,9 @@ def merge_stream(so_far: Output | None, event: Output) -> Output:
         raise ProtocolError(f"stream event reports {event.completion_tokens} completion tokens, but "
                             f"{len(ids)} arrived")
     return dataclasses.replace(event, output_ids=ids, logprobs=logprobs,
-                               routed_experts=event.routed_experts or so_far.routed_experts)
+                               routed_experts=event.routed_experts or so_far.routed_experts,
+                               prompt_tokens=event.prompt_tokens if event.prompt_tokens is not None else so_far.prompt_tokens,
+                               cached_tokens=event.cached_tokens if event.cached_tokens is not None else so_far.cached_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

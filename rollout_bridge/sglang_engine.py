@@ -13,6 +13,7 @@ resumed rollout's tokens span two weight versions and its metadata lists them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -45,6 +46,9 @@ class _Flight:
     partial: api.Output | None = None
 
 
+_SESSIONS = 65536  # sessions whose server is remembered (the least recently used forgotten)
+
+
 @dataclasses.dataclass
 class EngineStats:
     retries: int = 0
@@ -52,6 +56,8 @@ class EngineStats:
     failures: int = 0
     refits: int = 0
     refit_s: float = 0.0
+    prompt_tokens: int = 0  # of the answered requests whose server reported it (meta_info.prompt_tokens)
+    cached_tokens: int = 0  # of them, found in the server's radix cache (meta_info.cached_tokens)
 
 
 class SGLangEngine:
@@ -76,6 +82,7 @@ class SGLangEngine:
         self._slots: asyncio.Semaphore | None = None
         self._running: asyncio.Event | None = None
         self._load = {url: 0 for url in self.urls}
+        self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()  # session -> its server
         self._flights: dict[str, _Flight] = {}
         self._pause_epoch = 0
         self._version = weight_version
@@ -105,9 +112,20 @@ class SGLangEngine:
             self._running.set()
         return self._client
 
-    def _pick(self) -> str:
+    def _pick(self, session: str | None = None) -> str:
+        """The server of the request's session while it is up (its radix cache holds the
+        session's past), else the least loaded one (which the session then keeps)."""
         up = [u for u in self.urls if self.servers is None or self.servers.is_up(u)] or self.urls
-        return min(up, key=lambda u: self._load[u])
+        kept = self._sessions.get(session) if session is not None else None
+        if kept in up:
+            self._sessions.move_to_end(session)
+            return kept
+        url = min(up, key=lambda u: self._load[u])
+        if session is not None:
+            self._sessions[session] = url
+            if len(self._sessions) > _SESSIONS:
+                self._sessions.popitem(last=False)
+        return url
 
     def _backoff(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
@@ -173,7 +191,7 @@ class SGLangEngine:
                         return self._rollout(request, prefix_ids, prefix_logprobs, "abort", versions, began)
                     if len(prefix_ids) >= request.params.max_new_tokens:
                         return self._rollout(request, prefix_ids, prefix_logprobs, "length", versions, began)
-                    url, epoch, version = self._pick(), self._pause_epoch, self._version
+                    url, epoch, version = self._pick(request.session), self._pause_epoch, self._version
                     flight.url, flight.rid, flight.partial = url, f"{request.request_id}-{attempts}", None
                     attempts += 1
                     self._load[url] += 1
@@ -202,6 +220,9 @@ class SGLangEngine:
                         self._load[url] -= 1
                     served = int(out.weight_version) if out.weight_version not in (None, "") and \
                         out.weight_version.isdigit() else version
+                    if out.prompt_tokens is not None and out.cached_tokens is not None:
+                        self.stats.prompt_tokens += out.prompt_tokens
+                        self.stats.cached_tokens += out.cached_tokens
                     if out.finish_reason != "abort" or flight.aborted:
                         rollout = self._rollout(request, prefix_ids + out.output_ids, prefix_logprobs + out.logprobs,
                                                 out.finish_reason if not flight.aborted else "abort",
@@ -344,6 +365,10 @@ class SGLangEngine:
     def metrics(self) -> dict[str, float]:
         out = {"retries": float(self.stats.retries), "interrupted": float(self.stats.interrupted),
                "failed_requests": float(self.stats.failures), "refit_s_total": self.stats.refit_s}
+        if self.stats.prompt_tokens:  # the servers' radix cache, since the last call (as the embedded engine's)
+            out["prefix_hit_frac"] = self.stats.cached_tokens / self.stats.prompt_tokens
+            out["prefix_hit_tokens"] = float(self.stats.cached_tokens)
+            self.stats.prompt_tokens = self.stats.cached_tokens = 0
         if self.servers is not None:
             out["server_crashes"] = float(self.servers.crashes())
         return out

@@ -88,6 +88,12 @@ def test_the_store_matches_the_longest_proper_prefix_and_evicts_the_least_recent
     assert store.match([1, 2, 3, 4, 5]).ids == (1, 2) and store.tokens == 7
     store.add(entry([1, 2, 9]), extends=store.match([1, 2, 9, 9]))  # the extension replaces what it grew from
     assert store.match([1, 2, 5]) is None and store.match([1, 2, 9, 5]).ids == (1, 2, 9)
+    # two requests stored the same sequence: it stays until both have been extended, in any order
+    store.add(entry([1, 2, 9]))
+    store.add(entry([1, 2, 9, 4]), extends=store.match([1, 2, 9, 4, 4]))
+    assert store.match([1, 2, 9, 8]).ids == (1, 2, 9)
+    store.add(entry([1, 2, 9, 8]), extends=store.match([1, 2, 9, 8, 8]))
+    assert store.match([1, 2, 9, 7]) is None
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -100,3 +106,34 @@ def test_continuous_batching_with_the_cache_equals_it_without(moe):
     cached = episodes(on)
     assert_same(plain, cached)
     assert on.prefix_store.stats.take()["prefix_hit_frac"] > 0.5
+
+
+def test_an_episodes_turns_go_to_the_server_that_holds_its_past():
+    """Over several servers the bridge sends a session's requests (an episode's turns) to the
+    server that served it before while that server is up; new sessions go to the least loaded."""
+    from rollout_bridge.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    first = engine._pick("episode-1")
+    engine._load[first] += 1  # it is busy with that episode's turn
+    second = engine._pick("episode-2")
+    assert second != first  # the least loaded takes the new session
+    engine._load[second] += 5
+    assert engine._pick("episode-1") == first and engine._pick("episode-2") == second  # each keeps its server
+    assert engine._pick(None) == first  # no session: the least loaded
+
+
+def test_a_refit_mid_episode_prefills_the_next_turn_in_full_with_the_new_weights():
+    """New weights between two turns: the store forgets the old weights' KV, so the next turn
+    equals the cache-off engine's under the new weights (the old turn keeps its log-probs)."""
+    old, new = make_model(), make_model(seed=1)
+
+    def run(sampler):
+        first = episodes(sampler, turns=1)
+        sampler.update_weights(new, 1)
+        rng = np.random.default_rng(5)
+        prompts = [list(r.prompt_ids + r.output_ids) + list(rng.integers(0, CONFIG.vocab_size, 3)) for r in first[0]]
+        return [first[0], sampler.generate(prompts, PARAMS, jax.random.split(jax.random.key(7), len(prompts)))]
+    on = Sampler(old, prefix_cache_tokens=10_000)
+    assert_same(run(Sampler(old)), run(on))
+    assert on.prefix_store.stats.take()["prefix_hit_tokens"] == 0  # nothing of the old weights was reused

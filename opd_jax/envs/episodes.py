@@ -182,7 +182,7 @@ async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: Tur
         while True:
             params = dataclasses.replace(sampling, max_new_tokens=min(limits.turn_tokens, room) - len(out))
             request = Request(tuple(prompt + ids + out), params, metadata,
-                              seed=(seed * 1_000_003 + turn * 101 + resumes) % 2**31)
+                              seed=(seed * 1_000_003 + turn * 101 + resumes) % 2**31, session=f"episode-{seed}")
             completion = await batcher.generate(request)
             if isinstance(completion, Failure):
                 raise _Fault(f"turn {turn + 1}: the engine failed it after {completion.attempts} "

@@ -6,9 +6,11 @@ A sequence's entry holds its KV for every token (as the engine's cache stores th
 the float8 cache's scales) and, for a MoE model, the experts each token was routed to (routing
 replay needs the prompt's too). `match` finds the longest stored sequence that is a proper prefix
 of a prompt. Memory is bounded by `capacity` tokens: the least recently used entries are evicted
-(a later request that needed one prefills in full, as without the cache). An entry a request
-extended is dropped once the extension is stored (an episode goes forward, never back). A weight
-update clears the store: KV of old weights never meets new ones.
+(a later request that needed one prefills in full, as without the cache). An entry is dropped
+once every request that stored it has been extended by its own next request (an episode goes
+forward, never back; two episodes with the same past each extend it once), so whether a turn
+finds its past never depends on the order requests arrived in. A weight update clears the
+store: KV of old weights never meets new ones.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class PrefixStore:
         self.capacity = capacity
         self._entries: collections.OrderedDict[tuple[int, ...], Prefix] = collections.OrderedDict()
         self._lengths: collections.Counter[int] = collections.Counter()
+        self._refs: collections.Counter[tuple[int, ...]] = collections.Counter()  # requests that stored it
         self.tokens = 0
         self.stats = PrefixStats()
 
@@ -113,13 +116,19 @@ class PrefixStore:
         return None
 
     def add(self, entry: Prefix, *, extends: Prefix | None = None) -> None:
-        """Keep `entry` (the most recently used); drop `extends`, the entry it grew from, and
-        the least recently used ones while over capacity."""
+        """Keep `entry` (the most recently used), stored once more; `extends`, the entry its
+        request grew from, is released once (dropped when no request that stored it is left to
+        extend it); the least recently used go while over capacity."""
         if extends is not None:
-            self._drop(extends.ids)
+            self._refs[extends.ids] -= 1
+            if self._refs[extends.ids] <= 0:
+                self._drop(extends.ids)
         if len(entry) > self.capacity:
             return
-        self._drop(entry.ids)
+        self._refs[entry.ids] += 1
+        if entry.ids in self._entries:  # the same sequence again (another request with the same past)
+            self._entries.move_to_end(entry.ids)
+            return
         self._entries[entry.ids] = entry
         self._lengths[len(entry)] += 1
         self.tokens += len(entry)
@@ -128,6 +137,7 @@ class PrefixStore:
             self.stats.evictions += 1
 
     def _drop(self, ids: tuple[int, ...]) -> None:
+        self._refs.pop(ids, None)
         entry = self._entries.pop(ids, None)
         if entry is not None:
             self.tokens -= len(entry)
@@ -139,6 +149,7 @@ class PrefixStore:
         """Forget every entry (new weights: their KV would be of the old ones)."""
         self._entries.clear()
         self._lengths.clear()
+        self._refs.clear()
         self.tokens = 0
 
 
