@@ -30,7 +30,7 @@ from rollout_bridge import sglang_jax  # noqa: E402
 
 MODEL = ["model.fresh.hidden_size=256", "model.fresh.intermediate_size=512", "model.fresh.num_layers=2",
          "model.fresh.num_heads=2", "model.fresh.num_kv_heads=1", "model.fresh.head_dim=128"]
-ENVS = {"search": "{hi: 15, max_guesses: 6}", "calculator": "{max_calls: 6}", "gridworld": "{max_moves: 16}"}
+ENVS = {"search": "{hi: 15, max_guesses: 6}", "calculator": "{max_calls: 6}", "gridworld": "{max_moves: 24}"}
 
 
 def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:

@@ -237,7 +237,7 @@ class RolloutSection(Section):
     decode_slots: int | None = Field(None, gt=0)
     """Embedded engine: decode at most this many requests at once by continuous batching (a finished one's slot goes to the next, also across calls: an episode's next turn joins as soon as it is ready); unset: each batch of requests (episodes: each round of turns) decodes together."""  # noqa: E501
     prefix_cache_gib: float = Field(1.0, ge=0)
-    """Embedded engine: memory for the KV of sequences it ran, so a request that extends one (an episode's next turn) prefills only what was appended; least recently used evicted, cleared at every refit (0: off; equal prompts of a batch share their prefill either way)."""  # noqa: E501
+    """Embedded engine's prefix cache: memory for the KV of sequences it ran, so a request that extends one (an episode's next turn) prefills only what was appended, and equal prompts of a batch share one prefill; least recently used evicted, cleared at every refit (0: off, every prompt prefilled in full)."""  # noqa: E501
     truncated: Literal["keep", "mask", "penalize"] = "keep"
     """A response cut at max_new_tokens: trained on as is, masked out of the loss, or given truncation_penalty as reward."""  # noqa: E501
     truncation_penalty: float = 0.0

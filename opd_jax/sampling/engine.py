@@ -238,9 +238,12 @@ class Sampler:
     def _plan(self, prompts: Sequence[Sequence[int]], width: int, max_new: int) -> _Plan:
         """The unique prompts (padded to a bucket of rows with copies of the first), each one's
         stored prefix, and what is left to prefill: the window of prompt columns after it."""
-        unique: dict[tuple[int, ...], int] = {}
-        row_of = np.array([unique.setdefault(tuple(p), len(unique)) for p in prompts], np.int32)
-        real = [list(p) for p in unique]
+        if self.prefix_store is None:  # the cache off: every row prefilled in full, as its own prompt
+            row_of, real = np.arange(len(prompts), dtype=np.int32), [list(p) for p in prompts]
+        else:
+            unique: dict[tuple[int, ...], int] = {}
+            row_of = np.array([unique.setdefault(tuple(p), len(unique)) for p in prompts], np.int32)
+            real = [list(p) for p in unique]
         rows = max(len(real), min(len(prompts), _bucket(len(real), minimum=1)))
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
         padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + [None] * (rows - len(real))
