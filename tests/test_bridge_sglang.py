@@ -187,3 +187,21 @@ def test_a_bad_request_fails_at_once_with_the_servers_message(engine):
     (failure,) = engine.generate([Request((5, 6, 7), SamplingParams(max_new_tokens=4000))])
     assert isinstance(failure, Failure) and failure.attempts == 1
     assert "4000" in failure.error or "context" in failure.error.lower() or "length" in failure.error.lower()
+
+
+def test_an_episodes_next_turn_hits_the_servers_radix_cache(engine):
+    """A turn's prompt extends the last one with the same ids (prompt + output + observation), so
+    the server finds the past in its radix cache: the share of prompt tokens it reports as cached
+    (meta_info.cached_tokens), which the bridge passes on as prefix_hit_frac."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    rng = np.random.default_rng(3)
+    prompts = [tuple(int(t) for t in rng.integers(3, 60, 48)) for _ in range(4)]
+    engine.metrics()  # start counting here
+    first = engine.generate([Request(p, params, session=f"episode-{i}") for i, p in enumerate(prompts)])
+    cold = engine.metrics()
+    turn = [r.prompt_ids + r.output_ids + (7, 8, 9) for r in first]
+    engine.generate([Request(p, params, session=f"episode-{i}") for i, p in enumerate(turn)])
+    warm = engine.metrics()
+    # measured here: cold 0.00 (4 new prompts), warm 0.93: 55 of each 59-token prompt found cached
+    assert cold.get("prefix_hit_frac", 0.0) < 0.2, cold
+    assert warm["prefix_hit_frac"] > 0.8, warm
