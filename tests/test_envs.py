@@ -456,3 +456,27 @@ def test_ppo_with_the_critic_raises_held_out_success_on_the_search_game(tmp_path
         np.testing.assert_allclose(np.asarray(row["logp_trainer"])[mask == 1], np.asarray(row["logp_engine"])[mask == 1],
                                    atol=1e-4)
         assert row["text"].startswith("guess 0-15\n") and row["reward"] == float(row["success"])
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_the_prefix_cache_plays_the_same_episodes_of_every_built_in_environment(engine, slots):
+    """Episodes of the calculator, gridworld and search environments through the embedded engine
+    (static, and with 3 decode slots) with the prefix cache and without: each later turn extends
+    the stored past and prefills only what was appended, and the episodes are the same (tokens
+    equal, log-probs to float rounding); an aborted turn's continuation is covered by the test
+    above, whose engine has no cache."""
+    loop, static = engine
+    model = nnx.merge(static.sampler.graphdef, static.sampler.state)
+    factories = [functools.partial(CalculatorEnv, 0), functools.partial(GridworldEnv, 1, max_moves=30),
+                 functools.partial(SearchEnv, 2, hi=15)] * 2
+
+    def engine_with(cache: int) -> EmbeddedEngine:
+        return EmbeddedEngine(Sampler(model, max_cache_len=512, pad_id=0, slots=slots, prefix_cache_tokens=cache),
+                              seed=1)
+    cached_engine = engine_with(100_000)
+    plain, cached = play(loop, engine_with(0), factories), play(loop, cached_engine, factories)
+    for a, b in zip(plain, cached, strict=True):
+        assert a.response_ids == b.response_ids and a.turns == b.turns and a.end == b.end
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+    assert sum(t.turns for t in cached) > len(cached)  # there were later turns to extend
+    assert cached_engine.metrics()["prefix_hit_frac"] > 0.5

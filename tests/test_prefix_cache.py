@@ -137,3 +137,19 @@ def test_a_refit_mid_episode_prefills_the_next_turn_in_full_with_the_new_weights
     on = Sampler(old, prefix_cache_tokens=10_000)
     assert_same(run(Sampler(old)), run(on))
     assert on.prefix_store.stats.take()["prefix_hit_tokens"] == 0  # nothing of the old weights was reused
+
+
+@pytest.mark.parametrize("numerics", ["bfloat16", "int8"])
+def test_low_precision_engines_with_the_cache_equal_those_without(numerics):
+    """A bf16 engine (weights and activations), and weights quantized to int8 per channel."""
+    from opd_jax.models.quant import QuantScheme, quantize_decoder
+    from opd_jax.models.weights import build_from_params
+
+    model = make_model()
+    if numerics == "bfloat16":
+        pure = jax.tree.map(lambda x: x.astype("bfloat16"), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        model = build_from_params(Decoder, CONFIG, pure, compute_dtype="bfloat16")
+    else:
+        model = quantize_decoder(model, QuantScheme("int8", "channel"))
+    assert_same(episodes(Sampler(model)), episodes(Sampler(model, prefix_cache_tokens=10_000)),
+                atol=2e-2 if numerics == "bfloat16" else 1e-4)
