@@ -127,6 +127,11 @@ class SGLangEngine:
                 self._sessions.popitem(last=False)
         return url
 
+    def release(self, sessions: Sequence[str]) -> None:
+        """These sessions (episodes) ended: their servers are no longer theirs."""
+        for session in sessions:
+            self._sessions.pop(session, None)
+
     def _backoff(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
 

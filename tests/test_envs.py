@@ -463,8 +463,7 @@ def test_the_prefix_cache_plays_the_same_episodes_of_every_built_in_environment(
     """Episodes of the calculator, gridworld and search environments through the embedded engine
     (static, and with 3 decode slots) with the prefix cache and without: each later turn extends
     the stored past and prefills only what was appended, and the episodes are the same (tokens
-    equal, log-probs to float rounding); an aborted turn's continuation is covered by the test
-    above, whose engine has no cache."""
+    equal, log-probs to float rounding); when the episodes end, their past is freed."""
     loop, static = engine
     model = nnx.merge(static.sampler.graphdef, static.sampler.state)
     factories = [functools.partial(CalculatorEnv, 0), functools.partial(GridworldEnv, 1, max_moves=30),
@@ -480,3 +479,4 @@ def test_the_prefix_cache_plays_the_same_episodes_of_every_built_in_environment(
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
     assert sum(t.turns for t in cached) > len(cached)  # there were later turns to extend
     assert cached_engine.metrics()["prefix_hit_frac"] > 0.5
+    assert len(cached_engine.sampler.prefix_store) == 0  # each episode's past was freed when it ended

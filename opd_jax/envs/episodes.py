@@ -69,6 +69,13 @@ class TurnBatcher:
         self._busy -= 1
         self._maybe_flush()
 
+    def release(self, session: str) -> None:
+        """The session (an episode) ended: an engine that keeps sessions' past (a prefix cache,
+        a server per session) may let it go."""
+        release = getattr(self.engine, "release", None)
+        if release is not None:
+            release([session])
+
     async def generate(self, request: Request) -> Completion:
         if getattr(self.engine, "batches_continuously", False):
             return await self._serve_one(request)
@@ -140,7 +147,13 @@ async def run_episode(make_env: Callable[[], Environment], *, batcher: TurnBatch
     except _Fault as e:
         return Trajectory.failed(tuple(prompt), str(e), metadata)
     finally:
+        batcher.release(_session(seed))  # ended, failed or aborted: the engine may forget its past
         batcher.leave()
+
+
+def _session(seed: int) -> str:
+    """An episode's session (Request.session): its turns extend one another."""
+    return f"episode-{seed}"
 
 
 async def _environment(what: str, fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
@@ -182,7 +195,7 @@ async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: Tur
         while True:
             params = dataclasses.replace(sampling, max_new_tokens=min(limits.turn_tokens, room) - len(out))
             request = Request(tuple(prompt + ids + out), params, metadata,
-                              seed=(seed * 1_000_003 + turn * 101 + resumes) % 2**31, session=f"episode-{seed}")
+                              seed=(seed * 1_000_003 + turn * 101 + resumes) % 2**31, session=_session(seed))
             completion = await batcher.generate(request)
             if isinstance(completion, Failure):
                 raise _Fault(f"turn {turn + 1}: the engine failed it after {completion.attempts} "

@@ -65,6 +65,7 @@ class EmbeddedEngine:
         self._queue: list[tuple[Request, jax.Array, asyncio.Future]] = []  # continuous: waiting for a slot
         self._driver: asyncio.Task | None = None
         self._refits_waiting = 0
+        self._session_past: dict[str, tuple[int, ...]] = {}  # session -> the sequence its last request left stored
 
     @property
     def batches_continuously(self) -> bool:
@@ -113,6 +114,7 @@ class EmbeddedEngine:
                                                [r.metadata for r in live])
         latency = time.perf_counter() - began
         for request, rollout in zip(live, rollouts):
+            self._remember(request, rollout)
             yield dataclasses.replace(rollout, request_id=request.request_id, latency_s=latency)
 
     async def _stream_continuous(self, live: Sequence[Request], began: float) -> AsyncIterator[Completion]:
@@ -126,7 +128,20 @@ class EmbeddedEngine:
         self._drive()
         for next_done in asyncio.as_completed(futures):
             request, rollout = await next_done
+            self._remember(request, rollout)
             yield dataclasses.replace(rollout, request_id=request.request_id, latency_s=time.perf_counter() - began)
+
+    def _remember(self, request: Request, rollout: Rollout) -> None:
+        if request.session is not None and self.sampler.prefix_store is not None and rollout.finish_reason != "abort":
+            self._session_past[request.session] = rollout.prompt_ids + rollout.output_ids
+
+    def release(self, sessions: Sequence[str]) -> None:
+        """These sessions (episodes) ended: their stored past is released (dropped unless
+        another session stored the same sequence)."""
+        for session in sessions:
+            past = self._session_past.pop(session, None)
+            if past is not None and self.sampler.prefix_store is not None:
+                self.sampler.prefix_store.release(past)
 
     def _drive(self) -> None:
         """Start the driver unless it runs (or a pause or weight update holds the queue)."""

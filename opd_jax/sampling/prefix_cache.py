@@ -7,9 +7,10 @@ the float8 cache's scales) and, for a MoE model, the experts each token was rout
 replay needs the prompt's too). `match` finds the longest stored sequence that is a proper prefix
 of a prompt. Memory is bounded by `capacity` tokens: the least recently used entries are evicted
 (a later request that needed one prefills in full, as without the cache). An entry is dropped
-once every request that stored it has been extended by its own next request (an episode goes
-forward, never back; two episodes with the same past each extend it once), so whether a turn
-finds its past never depends on the order requests arrived in. A weight update clears the
+once every request that stored it has been extended by its own next request or released (its
+episode ended: `release`), as an episode goes forward, never back; two episodes with the same
+past each hold it once, so whether a turn finds its past never depends on the order requests
+arrived in. A weight update clears the
 store: KV of old weights never meets new ones.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,7 +88,8 @@ class PrefillStats:
 
 
 class PrefixStore:
-    """Sequences' KV by their token ids, least recently used first; at most `capacity` tokens."""
+    """Sequences' KV by their token ids, least recently used first; at most `capacity` tokens.
+    Thread-safe: the engine generates in a worker thread while episodes end on its event loop."""
 
     def __init__(self, capacity: int):
         if capacity < 0:
@@ -97,6 +100,7 @@ class PrefixStore:
         self._refs: collections.Counter[tuple[int, ...]] = collections.Counter()  # requests that stored it
         self.tokens = 0
         self.stats = PrefixStats()
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -105,36 +109,45 @@ class PrefixStore:
         """The longest stored sequence that is a proper prefix of `prompt` (at least one token is
         left to prefill), counted in the hit statistics; None if there is none."""
         prompt = tuple(prompt)
-        self.stats.prompt_tokens += len(prompt)
-        for n in sorted(self._lengths, reverse=True):
-            if n < len(prompt):
-                entry = self._entries.get(prompt[:n])
-                if entry is not None:
-                    self._entries.move_to_end(entry.ids)
-                    self.stats.hit_tokens += n
-                    return entry
-        return None
+        with self._lock:
+            self.stats.prompt_tokens += len(prompt)
+            for n in sorted(self._lengths, reverse=True):
+                if n < len(prompt):
+                    entry = self._entries.get(prompt[:n])
+                    if entry is not None:
+                        self._entries.move_to_end(entry.ids)
+                        self.stats.hit_tokens += n
+                        return entry
+            return None
 
     def add(self, entry: Prefix, *, extends: Prefix | None = None) -> None:
         """Keep `entry` (the most recently used), stored once more; `extends`, the entry its
         request grew from, is released once (dropped when no request that stored it is left to
         extend it); the least recently used go while over capacity."""
-        if extends is not None:
-            self._refs[extends.ids] -= 1
-            if self._refs[extends.ids] <= 0:
-                self._drop(extends.ids)
-        if len(entry) > self.capacity:
-            return
-        self._refs[entry.ids] += 1
-        if entry.ids in self._entries:  # the same sequence again (another request with the same past)
-            self._entries.move_to_end(entry.ids)
-            return
-        self._entries[entry.ids] = entry
-        self._lengths[len(entry)] += 1
-        self.tokens += len(entry)
-        while self.tokens > self.capacity:
-            self._drop(next(iter(self._entries)))
-            self.stats.evictions += 1
+        with self._lock:
+            if extends is not None:
+                self.release(extends.ids)
+            if len(entry) > self.capacity:
+                return
+            self._refs[entry.ids] += 1
+            if entry.ids in self._entries:  # the same sequence again (another request with the same past)
+                self._entries.move_to_end(entry.ids)
+                return
+            self._entries[entry.ids] = entry
+            self._lengths[len(entry)] += 1
+            self.tokens += len(entry)
+            while self.tokens > self.capacity:
+                self._drop(next(iter(self._entries)))
+                self.stats.evictions += 1
+
+    def release(self, ids: Sequence[int]) -> None:
+        """A request that stored `ids` will not extend it (its episode ended, or its next request
+        was stored): stored once less, dropped when no request is left to extend it."""
+        ids = tuple(ids)
+        with self._lock:
+            self._refs[ids] -= 1
+            if self._refs[ids] <= 0:
+                self._drop(ids)
 
     def _drop(self, ids: tuple[int, ...]) -> None:
         self._refs.pop(ids, None)
@@ -147,10 +160,11 @@ class PrefixStore:
 
     def clear(self) -> None:
         """Forget every entry (new weights: their KV would be of the old ones)."""
-        self._entries.clear()
-        self._lengths.clear()
-        self._refs.clear()
-        self.tokens = 0
+        with self._lock:
+            self._entries.clear()
+            self._lengths.clear()
+            self._refs.clear()
+            self.tokens = 0
 
 
 @flax.struct.dataclass
