@@ -60,6 +60,7 @@ def run(out: Path, env: str, engine: str, steps: int, extra: list[str]) -> dict:
             "model_tokens_per_s": float(np.median([r["rollout/tokens_per_s"] for r in rows])),
             "prefill_saved_frac": float(np.mean([r.get("rollout/prefill_saved_frac", 0.0) for r in rows])),
             "prefix_hit_frac": float(np.mean([r.get("rollout/prefix_hit_frac", 0.0) for r in rows])),
+            "prefill_flops_saved_frac": float(np.mean([r.get("rollout/prefill_flops_saved_frac", 0.0) for r in rows])),
             "tokens_per_episode": float(np.mean([r["episodes/tokens"] for r in rows])),
             "turns_per_episode": float(np.mean([r["episodes/turns"] for r in rows])),
             "steps_measured": len(rows)}

@@ -153,3 +153,20 @@ def test_low_precision_engines_with_the_cache_equal_those_without(numerics):
         model = quantize_decoder(model, QuantScheme("int8", "channel"))
     assert_same(episodes(Sampler(model)), episodes(Sampler(model, prefix_cache_tokens=10_000)),
                 atol=2e-2 if numerics == "bfloat16" else 1e-4)
+
+
+def test_prefill_flops_saved_count_what_each_position_attends_to():
+    """The FLOPs fraction is the tokens fraction weighted by each position's cost: a fixed cost
+    per token plus one per key attended (a late position costs more), against a NumPy count."""
+    from opd_jax.sampling.prefix_cache import PrefillStats, token_flops
+
+    stats = PrefillStats(CONFIG)
+    stats.add([40, 40], [(24, 40)])  # two equal prompts of 40: one computed, its last 16 only
+    fixed, per_key = token_flops(CONFIG)
+    cost = lambda positions: sum(fixed + per_key * (t + 1) for t in positions)  # noqa: E731
+    expected = 1 - cost(range(24, 40)) / (2 * cost(range(40)))
+    out = stats.take()
+    np.testing.assert_allclose(out["prefill_flops_saved_frac"], expected, rtol=1e-9)
+    assert out["prefill_saved_frac"] == 1 - 16 / 80 and out["prefill_flops_saved_frac"] < out["prefill_saved_frac"]
+    assert fixed == 2 * CONFIG.num_layers * (CONFIG.hidden_size * CONFIG.head_dim * (2 * 4 + 2 * 2)
+                                             + 3 * CONFIG.hidden_size * CONFIG.intermediate_size)

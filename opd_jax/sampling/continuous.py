@@ -191,7 +191,7 @@ class DecodeSlots:
         self._owner: list[Any] = [None] * slots
         self._prompt_routing: dict[int, np.ndarray] = {}
         # a prefix store: a request that extends a stored sequence prefills only what follows it
-        self.prefix_store, self.prefill_stats = prefix_store, prefill_stats or PrefillStats()
+        self.prefix_store, self.prefill_stats = prefix_store, prefill_stats or PrefillStats(model.config)
         self._held: dict[int, tuple[list[int], int, Prefix | None]] = {}  # slot -> prompt, its first slot, prefix
 
     @property
@@ -234,8 +234,8 @@ class DecodeSlots:
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in prompts[:len(take)]]
         prefixes += [None] * (width - len(take))
         window = prefill_window(self.config, self.kv_dtype, prompts, prefixes, prompt_width, self.pad_id)
-        self.prefill_stats.add(sum(len(p) for _, p, _, _ in take),
-                               sum(min(window.width, len(p)) for _, p, _, _ in take))
+        self.prefill_stats.add([len(p) for _, p, _, _ in take],
+                               [(max(0, len(p) - window.width), len(p)) for _, p, _, _ in take])
         for j, (ticket, prompt, params, _) in enumerate(take):
             stops[j, :len(params.stop_token_ids)] = params.stop_token_ids
             where[j], self._owner[free[j]] = free[j], ticket

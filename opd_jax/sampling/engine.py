@@ -135,7 +135,7 @@ class Sampler:
         self.kv_cache_dtype, self.slots = kv_cache_dtype, slots
         self.cache_dtype = jnp.dtype(kv_cache_dtype or model.backbone.compute_dtype).name
         self.prefix_store = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens else None
-        self.prefill_stats = PrefillStats()
+        self.prefill_stats = PrefillStats(model.config)
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.max_cache_len = max_cache_len or model.config.max_position_embeddings
@@ -248,7 +248,7 @@ class Sampler:
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
         padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + [None] * (rows - len(real))
         window = prefill_window(self.config, self.cache_dtype, padded, prefixes, width, self.pad_id)
-        self.prefill_stats.add(sum(len(p) for p in prompts), sum(min(window.width, len(p)) for p in real))
+        self.prefill_stats.add([len(p) for p in prompts], [(max(0, len(p) - window.width), len(p)) for p in real])
         return _Plan(row_of=row_of, prompts=[list(p) for p in prompts], prefixes=prefixes, window=window)
 
     def _keep(self, rollouts: list[Rollout], cache: KVCache, width: int, plan: _Plan) -> None:

@@ -69,21 +69,48 @@ class PrefixStats:
         return out
 
 
+def token_flops(config: Any) -> tuple[float, float]:
+    """A decoder's forward FLOPs for one token: (fixed: 2 × the projection and MLP weights it
+    multiplies, experts_per_token experts' for a MoE layer; per attended key: 4 × heads × head_dim,
+    over all layers). The output head is left out: a prefill needs it at one position only."""
+    c = config
+    projections = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    dense_mlp = 3 * c.hidden_size * c.intermediate_size
+    mlps = [dense_mlp] * c.num_layers
+    if c.moe is not None:
+        routed = 3 * c.hidden_size * c.moe.intermediate_size * (c.moe.experts_per_token + c.moe.num_shared_experts)
+        mlps = [routed if i in c.moe_layers else dense_mlp for i in range(c.num_layers)]
+    return 2.0 * (c.num_layers * projections + sum(mlps)), 4.0 * c.num_layers * c.num_heads * c.head_dim
+
+
 @dataclasses.dataclass
 class PrefillStats:
-    """Prompt tokens a static batch had, and how many it prefilled (the others were shared with
-    an equal prompt of the batch or found in the prefix store)."""
+    """Prompt tokens the engine's prefills had, and how many they computed (the others were
+    shared with an equal prompt of the batch or found in the prefix store), in tokens and in
+    FLOPs (positions late in a prompt attend to more keys: a saved early token saves less)."""
 
+    config: Any = None  # the model, for FLOPs (token_flops)
     prompt_tokens: int = 0
     prefilled_tokens: int = 0
+    prompt_flops: float = 0.0
+    prefilled_flops: float = 0.0
 
-    def add(self, prompt_tokens: int, prefilled_tokens: int) -> None:
-        self.prompt_tokens += prompt_tokens
-        self.prefilled_tokens += prefilled_tokens
+    def add(self, prompts: Sequence[int], prefilled: Sequence[tuple[int, int]]) -> None:
+        """prompts: every row's prompt length; prefilled: the positions [start, end) each
+        computed row prefilled."""
+        fixed, per_key = token_flops(self.config) if self.config is not None else (1.0, 0.0)
+        flops = lambda a, b: (b - a) * fixed + per_key * (b * (b + 1) - a * (a + 1)) / 2  # noqa: E731  (keys: t + 1)
+        self.prompt_tokens += sum(prompts)
+        self.prefilled_tokens += sum(b - a for a, b in prefilled)
+        self.prompt_flops += sum(flops(0, n) for n in prompts)
+        self.prefilled_flops += sum(flops(a, b) for a, b in prefilled)
 
     def take(self) -> dict[str, float]:
-        out = {"prefill_saved_frac": 1.0 - self.prefilled_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}
+        saved = lambda done, total: 1.0 - done / total if total else 0.0  # noqa: E731
+        out = {"prefill_saved_frac": saved(self.prefilled_tokens, self.prompt_tokens),
+               "prefill_flops_saved_frac": saved(self.prefilled_flops, self.prompt_flops)}
         self.prompt_tokens = self.prefilled_tokens = 0
+        self.prompt_flops = self.prefilled_flops = 0.0
         return out
 
 
