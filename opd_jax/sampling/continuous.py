@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from opd_jax.models.decoder import Decoder, KVCache
-from opd_jax.sampling.ops import sample_tokens
+from opd_jax.sampling.ops import bucket, sample_tokens
 from opd_jax.sampling.prefix_cache import PrefillStats, Prefix, Prefixes, PrefixStore, cache_with_prefixes, prefill_window
 
 
@@ -157,9 +157,6 @@ def _grow(slots: Slots, *, max_new: int, n_stop: int) -> Slots:
                          routing=None if slots.routing is None else pad(slots.routing, 1, max_new, -1))
 
 
-def _bucket(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
-
 
 Result = tuple[np.ndarray, np.ndarray, bool, "np.ndarray | None"]  # tokens, log-probs, stopped, experts
 
@@ -186,7 +183,7 @@ class DecodeSlots:
         model: Decoder = nnx.merge(graphdef, state)
         self.config = model.config
         self.kv_dtype = jnp.dtype(kv_dtype or model.backbone.compute_dtype).name
-        self._slots = empty_slots(model, slots, cache_len, _bucket(max_new), _bucket(n_stop, 4), self.kv_dtype)
+        self._slots = empty_slots(model, slots, cache_len, bucket(max_new, 1), bucket(n_stop, 4), self.kv_dtype)
         self._waiting: collections.deque = collections.deque()
         self._owner: list[Any] = [None] * slots
         self._prompt_routing: dict[int, np.ndarray] = {}
@@ -206,7 +203,7 @@ class DecodeSlots:
 
     def _fit(self, max_new: int, n_stop: int) -> None:
         s = self._slots
-        want = max(s.tokens.shape[1], _bucket(max_new)), max(s.stop_ids.shape[1], _bucket(n_stop, 4))
+        want = max(s.tokens.shape[1], bucket(max_new, 1)), max(s.stop_ids.shape[1], bucket(n_stop, 4))
         if want != (s.tokens.shape[1], s.stop_ids.shape[1]):
             self._slots = _grow(s, max_new=want[0], n_stop=want[1])
 
@@ -221,10 +218,10 @@ class DecodeSlots:
             self._prefill([self._waiting.popleft() for _ in range(n)], free)
 
     def _prefill(self, take: list, free: list[int]) -> None:
-        width = _bucket(len(take))  # a few compiled prefill shapes
+        width = bucket(len(take), 1)  # a few compiled prefill shapes
         longest, max_new = max(len(p) for _, p, _, _ in take), max(q.max_new_tokens for _, _, q, _ in take)
         # the prefill fills prompt_width cache slots, then each request writes its outputs after them
-        prompt_width = max(longest, min(_bucket(longest, 16), self._slots.cache.slots - max_new))
+        prompt_width = max(longest, min(bucket(longest, 16), self._slots.cache.slots - max_new))
         self._fit(max_new, max(len(q.stop_token_ids) for _, _, q, _ in take))
         n_stop = self._slots.stop_ids.shape[1]
         stops = np.full((width, n_stop), -1, np.int32)

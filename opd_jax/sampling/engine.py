@@ -23,7 +23,7 @@ from flax import nnx
 from opd_jax.errors import OpdJaxError
 from opd_jax.models.decoder import Decoder, KVCache
 from opd_jax.sampling.continuous import DecodeSlots, Result, generate_continuous
-from opd_jax.sampling.ops import sample_tokens
+from opd_jax.sampling.ops import bucket, sample_tokens
 from opd_jax.sampling.prefix_cache import (
     PrefillStats,
     PrefillWindow,
@@ -39,9 +39,6 @@ from rollout_bridge.records import Rollout, SamplingParams
 class PromptTooLongError(OpdJaxError, ValueError):
     """A prompt that does not fit the engine's KV cache together with its max_new_tokens."""
 
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "slots", "kv_dtype"))
@@ -198,7 +195,7 @@ class Sampler:
         longest = max(len(p) for p in prompts)
         for i, (prompt, p) in enumerate(zip(prompts, per_row)):
             self.check(prompt, p, f"prompt {i}")
-        width = max(longest, min(_bucket(longest), self.max_cache_len - max_new))
+        width = max(longest, min(bucket(longest, 16), self.max_cache_len - max_new))
         B = len(prompts)
         if key.shape == (B,):
             row_keys = key
@@ -213,7 +210,7 @@ class Sampler:
                                        prefix_store=self.prefix_store, prefill_stats=self.prefill_stats)
             return [self.rollout(prompts[i], result, metadata[i]) for i, result in enumerate(done)]
         plan = self._plan(prompts, width, max_new)
-        n_stop = _bucket(max(len(p.stop_token_ids) for p in per_row) or 1, minimum=4)
+        n_stop = bucket(max(len(p.stop_token_ids) for p in per_row) or 1, minimum=4)
         stop_ids = np.full((B, n_stop), -1, np.int32)
         for i, p in enumerate(per_row):
             stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
@@ -244,7 +241,7 @@ class Sampler:
             unique: dict[tuple[int, ...], int] = {}
             row_of = np.array([unique.setdefault(tuple(p), len(unique)) for p in prompts], np.int32)
             real = [list(p) for p in unique]
-        rows = max(len(real), min(len(prompts), _bucket(len(real), minimum=1)))
+        rows = max(len(real), min(len(prompts), bucket(len(real), minimum=1)))
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
         padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + [None] * (rows - len(real))
         window = prefill_window(self.config, self.cache_dtype, padded, prefixes, width, self.pad_id)

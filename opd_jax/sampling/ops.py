@@ -9,6 +9,12 @@ import jax.numpy as jnp
 _NEG = -jnp.inf
 
 
+def bucket(n: int, minimum: int) -> int:
+    """The power of two at or above n (at least `minimum`): shapes rounded up to it keep the
+    compiled variants of a jitted function few."""
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
 def truncate_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Set logits outside each row's top-k / top-p nucleus to -inf.
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opd_jax.models.decoder import KVCache
+from opd_jax.sampling.ops import bucket
 
 
 def prefix_tokens(config: Any, dtype: str, budget_bytes: float) -> int:
@@ -225,9 +226,6 @@ def cache_with_prefixes(config: Any, slots: int, dtype: str, prefixes: Prefixes)
                          valid=cache.valid.at[rows, cols].set(True, mode="drop"), length=prefixes.length)
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
-
 
 @dataclasses.dataclass(frozen=True)
 class PrefillWindow:
@@ -261,7 +259,7 @@ def prefill_window(config: Any, dtype: str, prompts: Sequence[Sequence[int]], pr
     of two, at least 16, at most `width`), and the stored KV of what precedes it, built on the host
     (one transfer; no device op per shape)."""
     suffix = max(len(p) - (len(x) if x is not None else 0) for p, x in zip(prompts, prefixes))
-    S = min(width, _bucket(suffix))
+    S = min(width, bucket(suffix, 16))
     rows = len(prompts)
     tokens = np.full((rows, width), pad_id, np.int32)
     mask = np.zeros((rows, width), bool)
