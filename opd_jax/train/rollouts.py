@@ -139,6 +139,7 @@ class RolloutSession:
         NaN, bad ids, ...). Failed episodes and bad rewards leave the loss and are counted."""
         began = time.perf_counter()
         groups, sampling = self._groups(step)
+        generated = sampling.pop("generated")
         wait = time.perf_counter() - began
         trajectories = [t for g in groups for t in g.trajectories]
         rewards = np.asarray([x for g in groups for x in g.rewards], np.float32)
@@ -156,8 +157,8 @@ class RolloutSession:
         bad_rewards = int(bad.sum()) - sum(t.end == "failed" for t in episodes)
         return batch, trajectories, {
             # the policy's sampled tokens (dropped groups' too): a run's compute, summed over steps
-            "rollout/tokens": float(sampling["generated"]),
-            "rollout/tokens_per_s": sampling.pop("generated") / max(wait, 1e-9), "rollout/wait_s": wait,
+            "rollout/tokens": float(generated),
+            "rollout/tokens_per_s": generated / max(wait, 1e-9), "rollout/wait_s": wait,
             "rollout/staleness": float(np.mean([step - t.weight_version for t in trajectories])),
             **({"rollout/truncated_frac": float(np.mean([t.finish_reasons[-1:] == ("length",) for t in single]))}
                if single else {}),
