@@ -106,6 +106,12 @@ def test_continuous_batching_with_the_cache_equals_it_without(moe):
     cached = episodes(on)
     assert_same(plain, cached)
     assert on.prefix_store.stats.take()["prefix_hit_frac"] > 0.5
+    # a group admitted together prefills its prompt once: 4 samples of one 40-token prompt
+    group = episodes(Sampler(model, slots=4, prefix_cache_tokens=10_000), turns=1, group=4, seed=1)
+    assert_same(episodes(Sampler(model, slots=4), turns=1, group=4, seed=1)[:1], group)
+    shared = Sampler(model, slots=4, prefix_cache_tokens=10_000)
+    shared.generate([[5] * 40] * 4, PARAMS, jax.random.split(jax.random.key(0), 4))
+    assert shared.prefill_stats.take()["prefill_saved_frac"] == 0.75
 
 
 def test_an_episodes_turns_go_to_the_server_that_holds_its_past():

@@ -66,31 +66,36 @@ def empty_slots(model: Decoder, slots: int, cache_len: int, max_new: int, n_stop
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("slots",))
-def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Array, before: Prefixes,
-           window: jax.Array, window_mask: jax.Array, positions: jax.Array, keys: jax.Array, temperature: jax.Array,
-           top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, max_new: jax.Array
+def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Array, row_of: jax.Array,
+           before: Prefixes, window: jax.Array, window_mask: jax.Array, positions: jax.Array, keys: jax.Array,
+           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, max_new: jax.Array
            ) -> tuple[Slots, jax.Array | None]:
-    """Prefill n new prompts (left-padded to P columns; only their last window [n, S] is computed,
-    what precedes it comes from `before`: stored prefixes, or nothing) and put them in slots
-    `where` [n] (an index past the last slot: a padding row, dropped). Returns the slots and the
-    window's experts (MoE)."""
+    """Prefill u unique prompts (left-padded to P columns; only their last window [u, S] is
+    computed, what precedes it comes from `before`: stored prefixes, or nothing) and put n
+    requests in slots `where` [n] (an index past the last slot: a padding row, dropped), request
+    i starting from the prefill of prompt `row_of[i]` (equal prompts share one). Returns the
+    slots and the window's experts (MoE), per unique prompt."""
     model: Decoder = nnx.merge(graphdef, state)
-    n, S = window.shape
-    P = before.length + S
+    n = where.shape[0]
+    P = before.length + window.shape[1]
     cache = cache_with_prefixes(model.config, slots.cache.slots, slots.cache.k.dtype, before)
     logits, cache, routing = model.decode(window, cache, positions=positions, attention_mask=window_mask)
 
-    def put(big, new, axis=0):
+    def put(big, new, axis=0):  # request i's value
         index = (slice(None),) * axis + (where,)
         return big.at[index].set(new.astype(big.dtype), mode="drop")
 
+    def put_prefilled(big, new, axis=0):  # request i's prompt's row of the prefill
+        return put(big, jnp.take(new, row_of, axis=axis), axis)
+
     c = slots.cache
-    new_cache = c.replace(k=put(c.k, cache.k, 1), v=put(c.v, cache.v, 1), valid=put(c.valid, cache.valid),
-                          length=put(c.length, jnp.full((n,), P, jnp.int32)),
-                          k_scale=None if c.k_scale is None else put(c.k_scale, cache.k_scale, 1),
-                          v_scale=None if c.v_scale is None else put(c.v_scale, cache.v_scale, 1))
+    new_cache = c.replace(k=put_prefilled(c.k, cache.k, 1), v=put_prefilled(c.v, cache.v, 1),
+                          valid=put_prefilled(c.valid, cache.valid), length=put(c.length, jnp.full((n,), P, jnp.int32)),
+                          k_scale=None if c.k_scale is None else put_prefilled(c.k_scale, cache.k_scale, 1),
+                          v_scale=None if c.v_scale is None else put_prefilled(c.v_scale, cache.v_scale, 1))
     slots = slots.replace(
-        cache=new_cache, logits=put(slots.logits, logits), next_pos=put(slots.next_pos, positions[:, -1] + 1),
+        cache=new_cache, logits=put_prefilled(slots.logits, logits),
+        next_pos=put_prefilled(slots.next_pos, positions[:, -1] + 1),
         done=put(slots.done, jnp.zeros((n,), bool)), step=put(slots.step, jnp.zeros((n,), jnp.int32)),
         stopped=put(slots.stopped, jnp.zeros((n,), bool)), keys=put(slots.keys, jax.random.key_data(keys)),
         temperature=put(slots.temperature, temperature), top_k=put(slots.top_k, top_k), top_p=put(slots.top_p, top_p),
@@ -227,26 +232,35 @@ class DecodeSlots:
         stops = np.full((width, n_stop), -1, np.int32)
         where = np.full(width, len(self._owner), np.int32)  # past the last slot: dropped
         keys = jnp.stack([k for _, _, _, k in take] + [take[0][3]] * (width - len(take)))
-        prompts = [p for _, p, _, _ in take] + [[self.pad_id]] * (width - len(take))  # padding rows: one token
-        prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in prompts[:len(take)]]
-        prefixes += [None] * (width - len(take))
+        if self.prefix_store is None:  # the cache off: every request prefilled in full, as its own prompt
+            unique = [p for _, p, _, _ in take]
+            row_of = np.arange(width, dtype=np.int32)
+        else:  # the samples of a group admitted together prefill their prompt once
+            rows: dict[tuple[int, ...], int] = {}
+            row_of = np.array([rows.setdefault(tuple(p), len(rows)) for _, p, _, _ in take]
+                              + [0] * (width - len(take)), np.int32)
+            unique = [list(p) for p in rows]
+        n_rows = bucket(len(unique), 1)
+        prompts = unique + [[self.pad_id]] * (n_rows - len(unique))  # padding rows: one token
+        prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in unique]
+        prefixes += [None] * (n_rows - len(unique))
         window = prefill_window(self.config, self.kv_dtype, prompts, prefixes, prompt_width, self.pad_id)
-        self.prefill_stats.add([len(p) for _, p, _, _ in take],
-                               [(max(0, len(p) - window.width), len(p)) for _, p, _, _ in take])
+        self.prefill_stats.add([len(p) for _, p, _, _ in take], [(max(0, len(p) - window.width), len(p)) for p in unique])
         for j, (ticket, prompt, params, _) in enumerate(take):
             stops[j, :len(params.stop_token_ids)] = params.stop_token_ids
             where[j], self._owner[free[j]] = free[j], ticket
-            self._held[free[j]] = prompt, prompt_width - len(prompt), prefixes[j]
+            self._held[free[j]] = prompt, prompt_width - len(prompt), prefixes[row_of[j]]
         field = lambda name, dtype: jnp.asarray([getattr(t[2], name) for t in take]  # noqa: E731
                                                 + [getattr(take[0][2], name)] * (width - len(take)), dtype)
-        self._slots, routed = _admit(self.graphdef, self.state, self._slots, jnp.asarray(where), window.before,
-                                     *window.arrays(), keys, field("temperature", jnp.float32),
+        self._slots, routed = _admit(self.graphdef, self.state, self._slots, jnp.asarray(where), jnp.asarray(row_of),
+                                     window.before, *window.arrays(), keys, field("temperature", jnp.float32),
                                      field("top_k", jnp.int32), field("top_p", jnp.float32), jnp.asarray(stops),
                                      field("max_new_tokens", jnp.int32))
         if routed is not None:
             routed = np.asarray(routed)
             for j, (_, prompt, _, _) in enumerate(take):
-                self._prompt_routing[free[j]] = window.prompt_routing(routed[j], prefixes[j], len(prompt))
+                self._prompt_routing[free[j]] = window.prompt_routing(routed[row_of[j]], prefixes[row_of[j]],
+                                                                      len(prompt))
 
     def step(self) -> list[tuple[Any, Result]]:
         """Admit what waits into free slots (in the order it came), decode one chunk, return what
