@@ -282,6 +282,27 @@ def recipe(
 
 
 @_command()
+def mismatch(
+    config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A training config: its model, prompts and engine.")] = None,  # noqa: E501
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...",
+                                                             help="Dotted overrides, e.g. census.samples=64")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where the report goes (default: logging.run_dir/mismatch).")] = None,
+    dump: Annotated[bool, typer.Option(help="Also write every token's log-probs (tokens/ENGINE_seedN.npz).")] = False,
+) -> None:
+    """Measure the rollout engine's mismatch with the trainer (the census section: engines side by
+    side, samples, seeds, bands): mismatch.json, mismatch.md, mismatch.png."""
+    from opd_jax.mismatch import aggregate, run_census, write_report
+
+    _needs_config("mismatch", config_file, overrides)
+    config = _load(*_split_overrides(config_file, overrides))
+    where = out or Path(config.logging.run_dir) / "mismatch"
+    result = aggregate(run_census(config, where, dump=dump, echo=typer.echo))
+    write_report(where, result)
+    typer.echo((where / "mismatch.md").read_text())
+    typer.echo(f"census written to {where}")
+
+
+@_command()
 def sweep(
     sweep_file: Annotated[Path, typer.Argument(metavar="SWEEP", help="A sweep file: base config, cells, seeds.")],
     jobs: Annotated[int, typer.Option(help="Runs at a time (each its own process).")] = 1,

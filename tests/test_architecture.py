@@ -31,8 +31,9 @@ def test_rollout_bridge_imports_nothing_of_opd_jax_but_its_error_root():
     assert not offenders("rollout_bridge", lambda m: m.startswith("opd_jax") and m != "opd_jax.errors")
 
 
-def test_merge_uses_train_s_public_api_only():
+def test_merge_and_the_census_use_train_s_public_api_only():
     assert not offenders("opd_jax/merge", lambda m: m.startswith("opd_jax.train."))
+    assert not offenders("opd_jax/mismatch", lambda m: m.startswith("opd_jax.train."))
 
 
 def test_the_core_imports_no_shell():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from opd_jax.core import OptimizerConfig, PPOConfig
 from opd_jax.data.domains import get_domain
@@ -406,6 +406,49 @@ class LoggingSection(Section):
     """Write each step's trajectories to rollouts/step_NNNNNN.jsonl: token ids, text, loss mask, engine and trainer log-probs, rewards, advantages, values."""  # noqa: E501
 
 
+class CensusSection(Section):
+    """`opd-jax mismatch`: how far the rollout engine is from the trainer on the config's prompts
+    (the engine samples, the trainer scores the same tokens), for one engine or several side by side."""
+
+    samples: int = Field(256, gt=0)
+    """Responses per engine and seed (drawn in batches of data.prompts_per_step × rollout.samples_per_prompt)."""
+    seeds: list[int] = Field([0, 1, 2], min_length=1)
+    """Sampling seeds; every figure is a mean with its 95% Student's t interval over them (2 or more)."""
+    engines: dict[str, dict[str, Any]] = {}
+    """Engines to compare, by name: each a set of `rollout` keys over the config's (e.g. {bf16: {dtype: bfloat16}, fp8: {dtype: bfloat16, quantization: {kind: fp8}}}); empty: the config's engine alone."""  # noqa: E501
+    bands: list[tuple[float, float]] = [(0.5, 2.0), (0.5, 5.0), (0.8, 1.2)]
+    """Bands [lo, hi] of the ratio π_trainer / π_engine; the fraction of tokens outside each is reported."""
+    position_bins: int = Field(8, gt=0)
+    """Bins of response position (equal widths up to the longest response) for the per-position table."""
+
+    @model_validator(mode="after")
+    def _bands_ordered(self) -> CensusSection:
+        for lo, hi in self.bands:
+            if not 0 < lo < 1 < hi:
+                raise ValueError(f"census.bands: [{lo}, {hi}] must hold 1 with 0 < lo < 1 < hi")
+        return self
+
+    def engine_sections(self, rollout: RolloutSection) -> dict[str, RolloutSection]:
+        """{name: the rollout section it runs}: each engine's keys merged over `rollout`."""
+        if not self.engines:
+            return {"engine": rollout}
+        out = {}
+        for name, keys in self.engines.items():
+            try:
+                out[name] = RolloutSection.model_validate(_merged(rollout.model_dump(), keys))
+            except ValidationError as e:
+                problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors())
+                raise ValueError(f"census.engines.{name}.{problems}") from None
+        return out
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 class TrainConfig(Section):
     """`opd-jax train`: PPO (or GRPO) on the policy's own rollouts."""
 
@@ -435,6 +478,8 @@ class TrainConfig(Section):
     """Checkpoints and the final export."""
     logging: LoggingSection = LoggingSection()
     """The run directory, evaluation and logs."""
+    census: CensusSection = CensusSection()
+    """`opd-jax mismatch`: the engines it measures, samples, seeds and bands."""
 
     @model_validator(mode="after")
     def _batch_splits(self) -> TrainConfig:
@@ -447,4 +492,5 @@ class TrainConfig(Section):
             self.algorithm.ppo.check_group_size(group)
         except ValueError as e:
             raise ValueError(f"algorithm.ppo: {e} (rollout.samples_per_prompt)") from None
+        self.census.engine_sections(self.rollout)
         return self

@@ -1,0 +1,118 @@
+"""`opd-jax mismatch`: the census of an engine's mismatch. For each engine of `census.engines` (or
+the config's own) and each seed, the run's own rollout machinery (`RolloutSession`: the embedded
+engine at its precision, quantization and KV dtype, MoE with its routing recorded, or SGLang
+servers) samples `census.samples` responses to the config's prompts, and the trainer (the
+config's model at its precision, with routing replay when the config replays) scores the same
+tokens at the sampling temperature. The per-token log-probs go to `figures` (and, with --dump,
+to `tokens/ENGINE_seedN.npz`); `report` writes mismatch.json, mismatch.md and the plots."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from opd_jax.config import RolloutSection, TrainConfig, scoring_temperature
+from opd_jax.core import sequence_logprobs
+from opd_jax.mismatch.figures import Tokens, census_figures
+from opd_jax.train import RolloutSession, build_model
+
+
+def engine_kind(rollout: RolloutSection, trainer_dtype: str) -> str:
+    """What the engine is next to the trainer: the same code at its own numerics, or another stack."""
+    if rollout.engine == "sglang":
+        return "different kernel stack (SGLang server)"
+    parts = [rollout.dtype] + ([str(rollout.quantization.scheme())] if rollout.quantization.scheme() else [])
+    if rollout.kv_cache_dtype:
+        parts.append(f"KV {rollout.kv_cache_dtype}")
+    if rollout.inject_weight_noise:
+        parts.append(f"weight noise {rollout.inject_weight_noise:g}")
+    same = parts == [trainer_dtype]
+    return "same code, same numerics" if same else f"same code, {', '.join(parts)}"
+
+
+def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, policy: Any, tokenizer: Any,
+                  scratch: Path) -> tuple[Tokens, dict[str, Any]]:
+    """`census.samples` responses of the engine `rollout`, scored by the trainer: their tokens
+    (see figures.Tokens), with the token ids and the sampling's throughput in `extra`."""
+    replay = config.algorithm.ppo.routing_replay == "r3" and policy.config.moe is not None
+    session = RolloutSession(rollout=rollout, data=config.data, seed=seed, policy=policy,
+                             params=nnx.state(policy, nnx.Param), tokenizer=tokenizer, run_dir=scratch,
+                             record_routing=replay)
+    graphdef, params = nnx.split(policy)
+    score = jax.jit(functools.partial(sequence_logprobs, temperature=scoring_temperature(rollout), replay=replay),
+                    static_argnums=0)
+    trainer, engine, position, sequence, ids = [], [], [], [], []
+    rows = generated = 0
+    began = time.perf_counter()
+    try:
+        while rows < config.census.samples:
+            batch, _, metrics = session.next_batch(0, policy.config.vocab_size)
+            generated += metrics["rollout/tokens"]
+            logp = np.asarray(score(graphdef, params, batch)[0])
+            mask = np.asarray(batch.response_mask) > 0
+            take = min(mask.shape[0], config.census.samples - rows)
+            for r in range(take):
+                on = np.flatnonzero(mask[r])
+                trainer.append(logp[r, on])
+                engine.append(np.asarray(batch.logp_infer)[r, on])
+                position.append(np.arange(on.size))
+                sequence.append(np.full(on.size, rows + r))
+                ids.append(np.asarray(batch.tokens)[r, on])
+            rows += take
+    finally:
+        session.close()
+    flat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    tokens = Tokens(flat(trainer, np.float32), flat(engine, np.float32), flat(position, np.int32),
+                    flat(sequence, np.int32))
+    return tokens, {"token_ids": flat(ids, np.int32), "seconds": time.perf_counter() - began,
+                    "generated": generated}
+
+
+def run_census(config: TrainConfig, out: Path, *, dump: bool = False,
+               echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """The census of every engine and seed: {"engines": {name: {"kind", "seeds": {seed: figures}}},
+    "settings": ...}; per-token dumps under out/tokens/ with `dump`."""
+    policy, tokenizer = build_model(config.model)
+    trainer_dtype = config.model.compute_dtype or config.model.dtype
+    census = config.census
+    clip = (1 - config.algorithm.ppo.surrogate.eps_low, 1 + config.algorithm.ppo.surrogate.eps_high)
+    result: dict[str, Any] = {"settings": {
+        "samples": census.samples, "seeds": list(census.seeds), "bands": [list(b) for b in census.bands],
+        "clip": list(clip), "trainer_dtype": trainer_dtype, "max_new_tokens": config.rollout.max_new_tokens,
+        "temperature": config.rollout.temperature}, "engines": {}}
+    for name, rollout in census.engine_sections(config.rollout).items():
+        entry = result["engines"][name] = {"kind": engine_kind(rollout, trainer_dtype), "seeds": {}}
+        for seed in census.seeds:
+            tokens, extra = sample_tokens(config, rollout, seed, policy, tokenizer, out / "scratch" / name)
+            figures = census_figures(tokens, bands=census.bands, clip=clip, position_bins=census.position_bins,
+                                     longest=rollout.max_new_tokens)
+            figures["speed"] = {"generated tokens per s": extra["generated"] / max(extra["seconds"], 1e-9)}
+            entry["seeds"][seed] = figures
+            if dump:
+                (out / "tokens").mkdir(parents=True, exist_ok=True)
+                np.savez_compressed(out / "tokens" / f"{name}_seed{seed}.npz", trainer=tokens.trainer,
+                                    engine=tokens.engine, position=tokens.position, sequence=tokens.sequence,
+                                    token_ids=extra["token_ids"])
+            t = figures["tokens"]
+            echo(f"{name} seed {seed}: {int(t['tokens'])} tokens, |Δlogp| {t.get('abs_dlogp', float('nan')):.4f}, "
+                 f"k3 KL {t.get('kl_k3', float('nan')):.2e}, phantom clip {t.get('phantom clip', float('nan')):.2%}")
+    return result
+
+
+def as_device_free(x: Any) -> Any:
+    """JSON-ready: NumPy and JAX scalars as floats."""
+    if isinstance(x, dict):
+        return {str(k): as_device_free(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [as_device_free(v) for v in x]
+    if isinstance(x, (np.generic, jnp.ndarray)):
+        return float(x)
+    return x

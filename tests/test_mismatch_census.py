@@ -1,0 +1,89 @@
+"""`opd-jax mismatch`: every figure of mismatch.json is recomputed here with NumPy from the dumped
+per-token log-probs (written from the formulas, not with the census's code), the intervals with
+SciPy; an f32 engine against the f32 trainer agrees to float noise while a bf16 one does not;
+a bad engine entry is one line naming it."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+from test_cli_errors import assert_user_error, run_cli
+from train_loop_settings import TINY
+
+SAMPLES, SEEDS = 12, (0, 1)
+CLIP = (0.8, 1.28)
+BANDS = ((0.5, 2.0), (0.5, 5.0), (0.8, 1.2))
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    out = tmp_path_factory.mktemp("census")
+    result = run_cli("mismatch", *TINY, "rollout.max_new_tokens=8", f"census.samples={SAMPLES}",
+                     f"census.seeds=[{SEEDS[0]}, {SEEDS[1]}]", "census.position_bins=4",
+                     "census.engines={f32: {}, bf16: {dtype: bfloat16}}", "--out", out, "--dump")
+    assert result.exit_code == 0, result.output
+    assert "census written to" in result.output
+    return out, json.loads((out / "mismatch.json").read_text())
+
+
+def by_hand(dump):
+    """The seed's figures from its dump, straight from the formulas."""
+    d = dump["trainer"].astype(np.float64) - dump["engine"].astype(np.float64)
+    k = np.exp(d)
+    out = {"tokens": d.size, "abs_dlogp": np.abs(d).mean(), "kl_k3": (k - 1 - d).mean(),
+           "ratio q01": np.percentile(k, 1), "ratio q99": np.percentile(k, 99),
+           "phantom clip": np.mean((k < CLIP[0]) | (k > CLIP[1]))}
+    for lo, hi in BANDS:
+        out[f"outside [{lo:g}, {hi:g}]"] = np.mean((k < lo) | (k > hi))
+    sums, lengths = {}, {}
+    for s, x in zip(dump["sequence"], d):
+        sums[s] = sums.get(s, 0.0) + x
+        lengths[s] = lengths.get(s, 0) + 1
+    S, L = np.array([sums[s] for s in sorted(sums)]), np.array([lengths[s] for s in sorted(sums)], float)
+    drift = 1000 * (np.abs(S) * L).sum() / (L * L).sum()
+    p = np.exp(dump["trainer"].astype(np.float64))
+    order = np.argsort(p, kind="stable")
+    deciles = [np.abs(d[part]).mean() for part in np.array_split(order, 10)]
+    return out, drift, deciles, len(sums)
+
+
+@pytest.mark.parametrize("engine", ["f32", "bf16"])
+def test_every_figure_is_recomputed_from_the_dump(census, engine):
+    out, result = census
+    entry = result["engines"][engine]
+    per_seed = []
+    for seed in SEEDS:
+        dump = np.load(out / "tokens" / f"{engine}_seed{seed}.npz")
+        # positions count each response's tokens from 0
+        for s in np.unique(dump["sequence"]):
+            np.testing.assert_array_equal(dump["position"][dump["sequence"] == s], np.arange((dump["sequence"] == s).sum()))
+        figures, drift, deciles, sequences = by_hand(dump)
+        got = entry["seeds"][str(seed)]
+        assert sequences == SAMPLES == got["sequences"]["sequences"]
+        for name, value in figures.items():
+            np.testing.assert_allclose(got["tokens"][name], value, rtol=1e-6, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(got["sequences"]["drift per 1k tokens"], drift, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose([b["abs_dlogp"] for b in got["by_probability"]], deciles, rtol=1e-6, atol=1e-12)
+        assert sum(b["tokens"] for b in got["by_position"]) == figures["tokens"]
+        per_seed.append(figures["abs_dlogp"])
+    summary = entry["summary"]["tokens"]["abs_dlogp"]
+    low, high = stats.t.interval(0.95, len(per_seed) - 1, loc=np.mean(per_seed), scale=stats.sem(per_seed))
+    np.testing.assert_allclose([summary["mean"], summary["low"], summary["high"]], [np.mean(per_seed), low, high],
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_the_same_numerics_agree_and_bf16_does_not(census):
+    out, result = census
+    f32, bf16 = (result["engines"][e]["summary"]["tokens"]["abs_dlogp"]["mean"] for e in ("f32", "bf16"))
+    assert f32 < 1e-5 < bf16, (f32, bf16)
+    assert result["engines"]["f32"]["kind"] == "same code, same numerics"
+    assert result["engines"]["bf16"]["kind"] == "same code, bfloat16"
+    report = (out / "mismatch.md").read_text()
+    assert "| bf16 | same code, bfloat16 |" in report and (out / "mismatch.png").stat().st_size > 0
+
+
+def test_a_bad_engine_entry_is_one_line_naming_it():
+    assert_user_error(run_cli("mismatch", *TINY, "census.engines={fp8: {dtyp: bfloat16}}"),
+                      "census.engines.fp8.dtyp: Extra inputs are not permitted")
+    assert_user_error(run_cli("mismatch", *TINY, "census.bands=[[2, 3]]"), "census.bands: [2.0, 3.0] must hold 1")
