@@ -81,6 +81,7 @@ def _command(target: typer.Typer = app, **options):
 class DType(enum.StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[Path],

@@ -14,7 +14,7 @@ from opd_jax.models.config import Family
 from opd_jax.parallel import DistributedConfig, MeshConfig
 from opd_jax.rewards.verifiers import VerifierName
 
-DType = Literal["float32", "bfloat16"]
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 def _distributed_shorthand(value: Any) -> Any:
@@ -98,7 +98,7 @@ class ModelSection(Section):
     dtype: DType = "float32"
     """Precision of the trainer's parameters."""
     compute_dtype: DType | None = None
-    """Precision of the trainer's activations; unset: the parameters' dtype."""
+    """Precision of the trainer's activations; unset: the parameters' dtype. float16: the updates use a dynamic loss scale (jmp; 2^15 at first, halved on an overflow, whose update is skipped and counted, doubled after 2000 finite ones)."""  # noqa: E501
     critic_head_init: Literal["zero", "small"] = "small"
     """Initial value head of the critic: all zeros, or small random weights."""
 
@@ -106,6 +106,9 @@ class ModelSection(Section):
     def _one_source(self):
         if (self.path is None) == (self.fresh is None):
             raise ValueError("set exactly one of model.path and model.fresh")
+        if self.dtype == "float16":  # AdamW's small updates vanish in float16 weights
+            raise ValueError("model.dtype float16: keep float32 parameters and compute in float16 "
+                             "(model.compute_dtype: float16, with dynamic loss scaling)")
         return self
 
 

@@ -43,6 +43,7 @@ from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, po
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_metrics, mismatch_weights
 from opd_jax.core.opd import DIVERGENCES, Divergence, divergence, full_support, reverse_kl_advantage, top_k_support
+from opd_jax.core.optim import loss_scale_of
 from opd_jax.core.state import PolicyState
 from opd_jax.core.update import (
     UpdateConfig,
@@ -291,7 +292,8 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
             loss = loss - s.entropy_coef * entropy_mean
         return loss, metrics
 
-    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask,
+                                      loss_scale_of(opt_state))
     params, opt_state, apply_metrics = apply_update(state.tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 

@@ -1,11 +1,19 @@
-"""The optimizer of a policy or critic, built from a typed config: AdamW behind global-norm clipping."""
+"""The optimizer of a policy or critic, built from a typed config: AdamW behind global-norm
+clipping; for a model that computes in float16, with a dynamic loss scale (DeepMind's jmp) kept
+in the optimizer's state, so it is checkpointed and resumed with it."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import jmp
 import optax
+
+# jmp's defaults (NVIDIA's): start at 2^15; halve on an overflow, double after 2000 finite updates
+INITIAL_LOSS_SCALE = 2.0 ** 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +65,42 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     return optax.constant_schedule(config.learning_rate)
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+class LossScaledState(NamedTuple):
+    """The state of a loss-scaled optimizer: the inner optimizer's, and the dynamic loss scale
+    (adjusted by `update.apply_update`, which sees whether the gradient was finite). Plain arrays,
+    so the state shards and checkpoints as any other; jmp's DynamicLossScale holds the rules."""
+
+    inner: optax.OptState
+    loss_scale: jax.Array  # float32 []
+    finite_updates: jax.Array  # int32 []: finite updates since the scale last changed (jmp's counter)
+
+    @property
+    def scaler(self) -> jmp.DynamicLossScale:
+        return jmp.DynamicLossScale(self.loss_scale, self.finite_updates)
+
+
+def loss_scaled(tx: optax.GradientTransformation, initial: float = INITIAL_LOSS_SCALE) -> optax.GradientTransformation:
+    """`tx` with a dynamic loss scale in its state. The loss is multiplied by the scale before
+    its gradient is taken (`update.accumulate_grads`), and the gradient divided by it before
+    `tx` sees it (`update.apply_update`): float16 activations' small gradients survive."""
+    def init(params: Any) -> LossScaledState:
+        return LossScaledState(tx.init(params), jnp.asarray(initial, jnp.float32), jnp.zeros((), jnp.int32))
+
+    def update(grads: Any, state: LossScaledState, params: Any = None) -> tuple[Any, LossScaledState]:
+        updates, inner = tx.update(grads, state.inner, params)
+        return updates, state._replace(inner=inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def loss_scale_of(opt_state: Any) -> jmp.LossScale:
+    """The loss scale an optimizer state holds (1, a no-op, unless it is loss-scaled)."""
+    return opt_state.scaler if isinstance(opt_state, LossScaledState) else jmp.NoOpLossScale()
+
+
+def make_optimizer(config: OptimizerConfig, *, compute_dtype: Any = None) -> optax.GradientTransformation:
+    """The optimizer of `config`; for a model computing in float16, loss-scaled (`loss_scaled`)."""
     adamw = optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
                         weight_decay=config.weight_decay)
-    if config.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+    tx = adamw if config.max_grad_norm is None else optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+    return loss_scaled(tx) if compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.float16 else tx

@@ -48,6 +48,7 @@ from opd_jax.core.losses import (
 )
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_weights
+from opd_jax.core.optim import loss_scale_of
 from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, AdvantageInputs, Part
 from opd_jax.core.router import router_losses
 from opd_jax.core.update import (
@@ -272,7 +273,8 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
         metrics["total_loss"] = summed_loss(loss)
         return loss, metrics
 
-    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask,
+                                      loss_scale_of(opt_state))
     params, opt_state, apply_metrics = apply_update(state.policy_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 
@@ -286,7 +288,8 @@ def _critic_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
                                    normalizer=normalizer)
         return loss, {**metrics, "loss": summed_loss(loss)}
 
-    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask)
+    grads, metrics = accumulate_grads(loss_fn, params, targets, config.update.microbatches, lambda t: t.mask,
+                                      loss_scale_of(opt_state))
     params, opt_state, apply_metrics = apply_update(state.critic_tx, params, opt_state, grads)
     return params, opt_state, {**metrics, **apply_metrics}
 

@@ -9,9 +9,10 @@ from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.forward import sequence_logprobs
 from opd_jax.core.losses import aggregate
 from opd_jax.core.metrics import unwrap
+from opd_jax.core.optim import loss_scale_of
 from opd_jax.core.router import router_losses
 from opd_jax.core.state import PolicyState
-from opd_jax.core.update import apply_update
+from opd_jax.core.update import accumulate_grads, apply_update
 
 
 def sft_step(state: PolicyState, batch: RolloutBatch, *, router_balance_coef: float = 0.0
@@ -32,7 +33,7 @@ def sft_step(state: PolicyState, batch: RolloutBatch, *, router_balance_coef: fl
             metrics.update(router_metrics, total_loss=loss)
         return loss, metrics
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads, metrics = accumulate_grads(lambda p, _: loss_fn(p), state.params, None, 1, None, loss_scale_of(state.opt))
     params, opt, update_metrics = apply_update(state.tx, state.params, state.opt, grads)
     return state.replace(step=state.step + 1, params=params, opt=opt), {
         f"sft/{k}": unwrap(v) for k, v in {**metrics, **update_metrics}.items()}

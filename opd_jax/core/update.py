@@ -15,10 +15,12 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import jmp
 import optax
 
 from opd_jax.core.metrics import Metrics, Summed, combine_microbatches, combine_updates
 from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics
+from opd_jax.core.optim import LossScaledState, loss_scale_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +97,18 @@ def scan_or_call(body: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: An
 
 
 def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]], params: Any,
-                     targets: Any, microbatches: int, mask: Callable[[Any], jax.Array]
-                     ) -> tuple[Any, dict[str, jax.Array]]:
-    """Σ over `microbatches` strided slices of `targets` of grad(loss_fn)(params, slice), and the
-    slices' metrics combined by `combine_microbatches` (token counts from `mask(slice)`, [rows, T]).
-    loss_fn must already divide by the whole batch's normalizer, so the sum is the batch gradient."""
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+                     targets: Any, microbatches: int, mask: Callable[[Any], jax.Array],
+                     loss_scale: jmp.LossScale = jmp.NoOpLossScale()) -> tuple[Any, dict[str, jax.Array]]:
+    """Σ over `microbatches` strided slices of `targets` of grad(loss_scale · loss_fn)(params, slice),
+    and the slices' metrics combined by `combine_microbatches` (token counts from `mask(slice)`,
+    [rows, T]). loss_fn must already divide by the whole batch's normalizer, so the sum is the
+    batch gradient (times the loss scale of a float16 model's optimizer: `loss_scale_of`, which
+    `apply_update` divides out)."""
+    def scaled(p, t):
+        loss, metrics = loss_fn(p, t)
+        return loss_scale.scale(loss), metrics
+
+    grad_fn = jax.grad(scaled, has_aux=True)
     if microbatches == 1:
         return grad_fn(params, targets)
 
@@ -117,14 +125,23 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, ja
 
 def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any
                  ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One optimizer update, skipped (params and optimizer state kept) when any gradient is NaN/inf."""
+    """One optimizer update, skipped (params and optimizer state kept) when any gradient is NaN/inf.
+    A loss-scaled optimizer's gradients (`optim.loss_scaled`) are divided by its scale first; an
+    overflow halves the scale, and 2000 finite updates in a row double it (jmp)."""
+    scale = loss_scale_of(opt_state)
+    grads = scale.unscale(grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    return keep(new_params, params), keep(new_opt, opt_state), {
-        "grad_norm": grad_norm, "skipped_nonfinite": 1.0 - finite.astype(jnp.float32)}
+    metrics = {"grad_norm": grad_norm, "skipped_nonfinite": 1.0 - finite.astype(jnp.float32)}
+    new_opt = keep(new_opt, opt_state)
+    if isinstance(new_opt, LossScaledState):
+        adjusted = scale.adjust(finite)
+        new_opt = new_opt._replace(loss_scale=adjusted.loss_scale, finite_updates=adjusted.counter)
+        metrics["loss_scale"] = scale.loss_scale
+    return keep(new_params, params), new_opt, metrics
 
 
 def run_updates(update: Callable[[Any, Any], tuple[Any, Metrics]], carry: Any, targets: Any, config: UpdateConfig

@@ -124,7 +124,7 @@ class OPDTask(Task):
         return supervised_phase(self.config, task, run_dir / WARM_UP)
 
     def create_state(self) -> PolicyState:
-        return PolicyState.create(self.policy, make_optimizer(self.config.optimizer))
+        return PolicyState.create(self.policy, make_optimizer(self.config.optimizer, compute_dtype=self.trainer_dtype))
 
     def policy_params(self, state: PolicyState):
         return state.params

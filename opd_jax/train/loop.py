@@ -74,10 +74,11 @@ class PPOTask(Task):
     def create_state(self) -> PPOState:
         """The policy and, only when the estimator needs one, the critic with its optimizer."""
         algorithm = self.config.algorithm
+        optimizer = functools.partial(make_optimizer, compute_dtype=self.trainer_dtype)  # float16: loss-scaled
         if not algorithm.ppo.uses_critic:
-            return PPOState.create(self.policy, None, make_optimizer(algorithm.policy_optimizer), None)
+            return PPOState.create(self.policy, None, optimizer(algorithm.policy_optimizer), None)
         return PPOState.create(self.policy, build_critic(self.policy, self.config),
-                               make_optimizer(algorithm.policy_optimizer), make_optimizer(algorithm.critic_optimizer))
+                               optimizer(algorithm.policy_optimizer), optimizer(algorithm.critic_optimizer))
 
     def policy_params(self, state: PPOState):
         return state.policy

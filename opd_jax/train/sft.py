@@ -117,7 +117,7 @@ class SupervisedTask(Task):
         return {}
 
     def create_state(self) -> PolicyState:
-        return PolicyState.create(self.policy, make_optimizer(self.section.optimizer))
+        return PolicyState.create(self.policy, make_optimizer(self.section.optimizer, compute_dtype=self.trainer_dtype))
 
     def policy_params(self, state: PolicyState):
         return state.params
