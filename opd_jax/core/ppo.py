@@ -134,9 +134,16 @@ class PPOConfig:
     """MoE: weight of the router z-loss mean(logsumexp(router logits)²); off by default."""
     routing_replay: RoutingReplay = "none"
     """MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the trainer's router)."""
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+    """θ_old's log-probs: recompute (the trainer scores the batch before the step) or engine (the sampler's own, no scoring pass: the ratio is taken against the engine, verl's bypass mode; a correction between θ_old and the engine then has nothing to correct)."""  # noqa: E501
 
     def __post_init__(self):
         self.estimator.check_params(self.advantage_params, fixed=2)
+        mismatch = self.surrogate.mismatch
+        if self.old_logprobs == "engine" and mismatch.kind != "none" and not mismatch.needs_current_policy:
+            raise ValueError(f"old_logprobs engine takes the engine's log-probs as θ_old, so {mismatch.kind} (a "
+                             f"correction between θ_old and the engine) has nothing to correct: set "
+                             f"surrogate.mismatch.kind none, or one that needs the current policy (offpolicy-mask)")
         if self.value_warmup_steps < 0:
             raise ValueError(f"value_warmup_steps must be >= 0, got {self.value_warmup_steps}")
         if self.lam_policy != "adaptive" and not 0 <= self.lam_policy <= 1:
@@ -208,16 +215,25 @@ class PPOState:
 # --- the scoring pass --------------------------------------------------------------------
 
 def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
-                temperature: float = 1.0, routing_replay: bool = False) -> RolloutBatch:
+                temperature: float = 1.0, routing_replay: bool = False,
+                old_logprobs: Literal["recompute", "engine"] = "recompute") -> RolloutBatch:
     """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature),
     old_values (state.critic) and end_values (the critic's value of each whole row, which a
     truncated episode bootstraps from) filled in, computed in `microbatches` slices. Per-token
     ones are zero off the mask. A state without a critic fills logp_old only (no value pass).
-    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3)."""
+    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3).
+    old_logprobs "engine": logp_old = logp_infer, the policy's forward pass skipped (bypass mode)."""
     def logprobs(b: RolloutBatch):
         return sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature, replay=routing_replay)[0]
 
     on = batch.response_mask > 0
+    if old_logprobs == "engine":
+        batch = batch.replace(logp_old=jnp.where(on, batch.logp_infer, 0.0))
+        if not state.has_critic:
+            return batch
+        old_values, end_values = map_rows(lambda b: values_and_final(state.critic_def, state.critic, b), batch,
+                                          microbatches)
+        return batch.replace(old_values=jnp.where(on, old_values, 0.0), end_values=end_values)
     if not state.has_critic:
         return batch.replace(logp_old=jnp.where(on, map_rows(logprobs, batch, microbatches), 0.0))
     logp_old, old_values, end_values = map_rows(

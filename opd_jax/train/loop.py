@@ -51,7 +51,8 @@ class PPOTask(Task):
         temperature = scoring_temperature(config.rollout)
         self.replays_routing = config.algorithm.ppo.routing_replay == "r3"
         self.update = config.algorithm.ppo.update
-        self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing)
+        self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing,
+                                            old_logprobs=config.algorithm.ppo.old_logprobs)
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
                                          group_size=config.rollout.samples_per_prompt, temperature=temperature)
         self._advantages = jax.jit(functools.partial(advantages_and_returns, config=config.algorithm.ppo,
