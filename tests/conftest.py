@@ -1,5 +1,6 @@
 """Test set-up: JAX on 8 simulated CPU devices (set before jax is imported), float32 matmuls at
-full precision, a persistent compilation cache, and the shared model fixtures."""
+full precision, a persistent compilation cache for the processes the tests start, and the
+shared model fixtures."""
 
 import os
 from pathlib import Path
@@ -17,6 +18,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The test processes themselves neither write nor read that cache; only the processes they start
+# do. A cache write in a pytest-xdist worker (XLA's executable.serialize) aborted the worker
+# twice in one CI run, and a worker crash under --dist loadgroup can leave the session waiting
+# forever (pytest-xdist #1323, #1378): a crash in a started process fails its one test instead.
+jax.config.update("jax_enable_compilation_cache", False)
 
 import pytest  # noqa: E402
 
