@@ -289,6 +289,7 @@ def mismatch(
                                                              help="Dotted overrides, e.g. census.samples=64")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Where the report goes (default: logging.run_dir/mismatch).")] = None,
     dump: Annotated[bool, typer.Option(help="Also write every token's log-probs (tokens/ENGINE_seedN.npz).")] = False,
+    engines: Annotated[Optional[str], typer.Option(help="Only these of census.engines, comma-separated.")] = None,
 ) -> None:
     """Measure the rollout engine's mismatch with the trainer (the census section: engines side by
     side, samples, seeds, bands): mismatch.json, mismatch.md, mismatch.png."""
@@ -297,7 +298,8 @@ def mismatch(
     _needs_config("mismatch", config_file, overrides)
     config = _load(*_split_overrides(config_file, overrides))
     where = out or Path(config.logging.run_dir) / "mismatch"
-    result = aggregate(run_census(config, where, dump=dump, echo=typer.echo))
+    only = None if engines is None else [e.strip() for e in engines.split(",") if e.strip()]
+    result = aggregate(run_census(config, where, dump=dump, only=only, echo=typer.echo))
     write_report(where, result)
     typer.echo((where / "mismatch.md").read_text())
     typer.echo(f"census written to {where}")

@@ -87,3 +87,5 @@ def test_a_bad_engine_entry_is_one_line_naming_it():
     assert_user_error(run_cli("mismatch", *TINY, "census.engines={fp8: {dtyp: bfloat16}}"),
                       "census.engines.fp8.dtyp: Extra inputs are not permitted")
     assert_user_error(run_cli("mismatch", *TINY, "census.bands=[[2, 3]]"), "census.bands: [2.0, 3.0] must hold 1")
+    assert_user_error(run_cli("mismatch", *TINY, "census.engines={bf16: {dtype: bfloat16}}", "--engines", "bf16,fp8"),
+                      "--engines: fp8 not in census.engines (bf16)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from opd_jax.config import RolloutSection, TrainConfig, scoring_temperature
+from opd_jax.config import ConfigError, RolloutSection, TrainConfig, scoring_temperature
 from opd_jax.core import sequence_logprobs
 from opd_jax.mismatch.figures import Tokens, census_figures
 from opd_jax.train import RolloutSession, build_model
@@ -76,10 +76,16 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
                     "generated": generated}
 
 
-def run_census(config: TrainConfig, out: Path, *, dump: bool = False,
+def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequence[str] | None = None,
                echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """The census of every engine and seed: {"engines": {name: {"kind", "seeds": {seed: figures}}},
-    "settings": ...}; per-token dumps under out/tokens/ with `dump`."""
+    """The census of every engine (or those named in `only`) and seed: {"engines": {name: {"kind",
+    "seeds": {seed: figures}}}, "settings": ...}; per-token dumps under out/tokens/ with `dump`."""
+    engines = config.census.engine_sections(config.rollout)
+    if only is not None:
+        unknown = [name for name in only if name not in engines]
+        if unknown:
+            raise ConfigError(f"--engines: {', '.join(unknown)} not in census.engines ({', '.join(engines)})")
+        engines = {name: engines[name] for name in only}
     policy, tokenizer = build_model(config.model)
     trainer_dtype = config.model.compute_dtype or config.model.dtype
     census = config.census
@@ -88,12 +94,13 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False,
         "samples": census.samples, "seeds": list(census.seeds), "bands": [list(b) for b in census.bands],
         "clip": list(clip), "trainer_dtype": trainer_dtype, "max_new_tokens": config.rollout.max_new_tokens,
         "temperature": config.rollout.temperature}, "engines": {}}
-    for name, rollout in census.engine_sections(config.rollout).items():
+    for name, rollout in engines.items():
         entry = result["engines"][name] = {"kind": engine_kind(rollout, trainer_dtype), "seeds": {}}
         for seed in census.seeds:
             tokens, extra = sample_tokens(config, rollout, seed, policy, tokenizer, out / "scratch" / name)
+            longest = max(rollout.max_new_tokens, int(tokens.position.max(initial=-1)) + 1)  # episodes: several turns
             figures = census_figures(tokens, bands=census.bands, clip=clip, position_bins=census.position_bins,
-                                     longest=rollout.max_new_tokens)
+                                     longest=longest)
             figures["speed"] = {"generated tokens per s": extra["generated"] / max(extra["seconds"], 1e-9)}
             entry["seeds"][seed] = figures
             if dump:
