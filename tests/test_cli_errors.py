@@ -149,8 +149,8 @@ def test_usage_errors_of_the_command_are_one_line(tmp_path):
     latin1 = tmp_path / "prompts.jsonl"
     latin1.write_bytes(b'{"prompt": "caf\xe9"}\n')
     cases = [
-        (["generate", "smollm2-135m-instruct", "-p", "hi", "--dtype", "float16"],
-         "error: Invalid value for '--dtype'", "'float16' is not one of 'float32', 'bfloat16'"),
+        (["generate", "smollm2-135m-instruct", "-p", "hi", "--dtype", "float64"],
+         "error: Invalid value for '--dtype'", "'float64' is not one of 'float32', 'bfloat16', 'float16'"),
         (["generate", "smollm2-135m-instruct", "--input", latin1],
          "error: Invalid value for --input: line 1: not UTF-8 text (byte 0xe9 at column 16)", "opd-jax generate --help"),
         (["k8s", "render", "configs/quickstart.yaml", "--image", "i", "--queue", "q", "--out", tmp_path / "no" / "k.yaml"],
