@@ -11,14 +11,13 @@ Writes benchmarks/results/bypass.json.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from pathlib import Path
 
 import jax
 from bench_common import best_time, machine
-from bench_critic_free import SHAPES, batch_of, policy_of
+from bench_critic_free import SHAPES, batch_of, model_arguments, policy_of
 
 from opd_jax.core import (
     MismatchCorrection,
@@ -58,10 +57,7 @@ def measure(name: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["quickstart", "smollm2"], choices=list(SHAPES))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = model_arguments(__doc__)
     results = {"machine": machine(), "models": {name: measure(name, args.repeats) for name in args.models}}
     (ROOT / "benchmarks" / "results" / "bypass.json").write_text(json.dumps(results, indent=1))
     print("| model | estimator | recompute step s | engine (bypass) step s | speedup |")

@@ -76,11 +76,16 @@ def measure(name: str, repeats: int) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(doc: str) -> argparse.Namespace:
+    """--models (of SHAPES) and --repeats, the arguments of this benchmark and bench_bypass.py."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["quickstart", "smollm2"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = model_arguments(__doc__)
     results = {"machine": machine(), "models": {name: measure(name, args.repeats) for name in args.models},
                "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     (ROOT / "benchmarks" / "results" / "critic_free.json").write_text(json.dumps(results, indent=1))
