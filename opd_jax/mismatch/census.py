@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -113,13 +112,3 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequ
                  f"k3 KL {t.get('kl_k3', float('nan')):.2e}, phantom clip {t.get('phantom clip', float('nan')):.2%}")
     return result
 
-
-def as_device_free(x: Any) -> Any:
-    """JSON-ready: NumPy and JAX scalars as floats."""
-    if isinstance(x, dict):
-        return {str(k): as_device_free(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [as_device_free(v) for v in x]
-    if isinstance(x, (np.generic, jnp.ndarray)):
-        return float(x)
-    return x
