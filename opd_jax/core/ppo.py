@@ -224,16 +224,11 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
     routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3).
     old_logprobs "engine": logp_old = logp_infer, the policy's forward pass skipped (bypass mode)."""
     def logprobs(b: RolloutBatch):
+        if old_logprobs == "engine":
+            return b.logp_infer
         return sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature, replay=routing_replay)[0]
 
     on = batch.response_mask > 0
-    if old_logprobs == "engine":
-        batch = batch.replace(logp_old=jnp.where(on, batch.logp_infer, 0.0))
-        if not state.has_critic:
-            return batch
-        old_values, end_values = map_rows(lambda b: values_and_final(state.critic_def, state.critic, b), batch,
-                                          microbatches)
-        return batch.replace(old_values=jnp.where(on, old_values, 0.0), end_values=end_values)
     if not state.has_critic:
         return batch.replace(logp_old=jnp.where(on, map_rows(logprobs, batch, microbatches), 0.0))
     logp_old, old_values, end_values = map_rows(
