@@ -24,7 +24,15 @@ from flax import nnx
 
 from opd_jax.models.decoder import Decoder, KVCache
 from opd_jax.sampling.ops import bucket, sample_tokens
-from opd_jax.sampling.prefix_cache import PrefillStats, Prefix, Prefixes, PrefixStore, cache_with_prefixes, prefill_window
+from opd_jax.sampling.prefix_cache import (
+    PrefillStats,
+    Prefix,
+    Prefixes,
+    PrefixStore,
+    cache_with_prefixes,
+    prefill_window,
+    shared_prompts,
+)
 
 
 @flax.struct.dataclass
@@ -232,14 +240,9 @@ class DecodeSlots:
         stops = np.full((width, n_stop), -1, np.int32)
         where = np.full(width, len(self._owner), np.int32)  # past the last slot: dropped
         keys = jnp.stack([k for _, _, _, k in take] + [take[0][3]] * (width - len(take)))
-        if self.prefix_store is None:  # the cache off: every request prefilled in full, as its own prompt
-            unique = [p for _, p, _, _ in take]
-            row_of = np.arange(width, dtype=np.int32)
-        else:  # the samples of a group admitted together prefill their prompt once
-            rows: dict[tuple[int, ...], int] = {}
-            row_of = np.array([rows.setdefault(tuple(p), len(rows)) for _, p, _, _ in take]
-                              + [0] * (width - len(take)), np.int32)
-            unique = [list(p) for p in rows]
+        # the samples of a group admitted together prefill their prompt once (padding requests: row 0, dropped)
+        row_of, unique = shared_prompts([p for _, p, _, _ in take], share=self.prefix_store is not None)
+        row_of = np.pad(row_of, (0, width - len(take)))
         n_rows = bucket(len(unique), 1)
         prompts = unique + [[self.pad_id]] * (n_rows - len(unique))  # padding rows: one token
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in unique]

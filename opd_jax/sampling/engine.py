@@ -32,6 +32,7 @@ from opd_jax.sampling.prefix_cache import (
     PrefixStore,
     cache_with_prefixes,
     prefill_window,
+    shared_prompts,
 )
 from rollout_bridge.records import Rollout, SamplingParams
 
@@ -235,12 +236,7 @@ class Sampler:
     def _plan(self, prompts: Sequence[Sequence[int]], width: int, max_new: int) -> _Plan:
         """The unique prompts (padded to a bucket of rows with copies of the first), each one's
         stored prefix, and what is left to prefill: the window of prompt columns after it."""
-        if self.prefix_store is None:  # the cache off: every row prefilled in full, as its own prompt
-            row_of, real = np.arange(len(prompts), dtype=np.int32), [list(p) for p in prompts]
-        else:
-            unique: dict[tuple[int, ...], int] = {}
-            row_of = np.array([unique.setdefault(tuple(p), len(unique)) for p in prompts], np.int32)
-            real = [list(p) for p in unique]
+        row_of, real = shared_prompts(prompts, share=self.prefix_store is not None)
         rows = max(len(real), min(len(prompts), bucket(len(real), minimum=1)))
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
         padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + [None] * (rows - len(real))

@@ -31,6 +31,16 @@ from opd_jax.models.decoder import KVCache
 from opd_jax.sampling.ops import bucket
 
 
+def shared_prompts(prompts: Sequence[Sequence[int]], share: bool) -> tuple[np.ndarray, list[list[int]]]:
+    """(row_of, unique): each prompt's row among the prompts to prefill, and those prompts. With
+    `share` (the prefix cache on), equal prompts prefill once; without, each is its own row."""
+    if not share:
+        return np.arange(len(prompts), dtype=np.int32), [list(p) for p in prompts]
+    rows: dict[tuple[int, ...], int] = {}
+    row_of = np.array([rows.setdefault(tuple(p), len(rows)) for p in prompts], np.int32)
+    return row_of, [list(p) for p in rows]
+
+
 def prefix_tokens(config: Any, dtype: str, budget_bytes: float) -> int:
     """How many tokens' KV fit in `budget_bytes` for a model of `config` with a KV cache of
     `dtype` (a float8 cache adds its float32 scales)."""
