@@ -13,7 +13,9 @@ group is drawn from the source in its place.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import inspect
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -51,6 +53,20 @@ class LoopThread:
         """Start a coroutine on the loop; returns a concurrent.futures.Future."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
+    def submit_together(self, coroutines: Sequence[Awaitable[T]]) -> list[concurrent.futures.Future]:
+        """Start the coroutines in one turn of the loop, in order (so an engine that batches what
+        arrives together sees all their first requests at once, whatever the threads' timing);
+        a concurrent.futures.Future of each one's result."""
+        futures = [concurrent.futures.Future() for _ in coroutines]
+
+        def start() -> None:
+            for coroutine, future in zip(coroutines, futures):
+                task = asyncio.ensure_future(coroutine, loop=self._loop)
+                task.add_done_callback(functools.partial(_settle, future))
+
+        self._loop.call_soon_threadsafe(start)
+        return futures
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop, before anything submitted after this call."""
         self._loop.call_soon_threadsafe(fn, *args)
@@ -58,6 +74,16 @@ class LoopThread:
     def stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+def _settle(future: concurrent.futures.Future, task: asyncio.Future) -> None:
+    """Pass a finished task's outcome to the thread waiting on `future`."""
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())
+    else:
+        future.set_result(task.result())
 
 
 class EngineThread(LoopThread):
@@ -133,9 +159,8 @@ class RolloutPipe:
         # every group drawn before any is submitted: a source that books its work with the engine's
         # loop (episodes, see opd_jax.envs) has booked all of it before the first one starts
         groups = [self.source() for _ in range(n)]
-        for group in groups:
-            job = group if inspect.isawaitable(group) else in_request_order(self.engine.engine, group)
-            self._pending.append(self.engine.submit(job))
+        self._pending.extend(self.engine.submit_together(
+            [group if inspect.isawaitable(group) else in_request_order(self.engine.engine, group) for group in groups]))
 
     def take(self, n: int, trainer_version: int) -> list[list[Rollout]]:
         """n complete groups; then (if max_staleness > 0) n more are submitted to generate while

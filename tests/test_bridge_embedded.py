@@ -12,7 +12,7 @@ from ppo_setup import TINY
 
 from opd_jax.models import Decoder
 from opd_jax.sampling import EmbeddedEngine, Sampler
-from rollout_bridge.pipe import EngineThread, RolloutPipe
+from rollout_bridge.pipe import EngineThread, RolloutPipe, in_request_order
 from rollout_bridge.protocol import Engine, WeightUpdate
 from rollout_bridge.records import Failure, Request, SamplingParams
 
@@ -38,6 +38,24 @@ def test_a_seeded_request_draws_the_same_sample_whatever_it_is_batched_with(engi
     np.testing.assert_allclose(crowd[1].output_logprobs, alone.output_logprobs, atol=1e-5)  # other batch shape
     unseeded = engine.generate([Request((5, 6, 7), PARAMS) for _ in range(4)])
     assert len({r.output_ids for r in unseeded}) > 1
+
+
+def test_a_steps_groups_decode_as_one_batch_and_a_bad_request_fails_its_own_call(engine, monkeypatch):
+    """Each group is its own stream call (the pipe's); the engine batches those that arrive together,
+    so 5 groups of 2 are one generate of 10 rows, not 5 of 2, each group with its own prompt."""
+    sampler = engine.engine.sampler
+    calls = []
+    generate = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda prompts, *a: calls.append(len(prompts)) or generate(prompts, *a))
+    groups = RolloutPipe(engine, groups_source([]), max_staleness=0).take(5, trainer_version=0)
+    assert calls == [10]
+    assert [g[0].prompt_ids for g in groups] == [(5, 6, 7 + k % 5) for k in range(1, 6)]
+    assert all(len(g) == 2 and g[0].prompt_ids == g[1].prompt_ids for g in groups)
+    good = engine.submit(in_request_order(engine.engine, [Request((5, 6), PARAMS)]))
+    too_long = engine.submit(in_request_order(engine.engine, [Request((5,) * 60, PARAMS)]))
+    with pytest.raises(ValueError, match="cache holds 64"):
+        too_long.result()
+    assert len(good.result()[0].output_ids) > 0
 
 
 def test_abort_before_start_and_weight_versions(engine):

@@ -1,7 +1,8 @@
 """The embedded JAX sampler behind rollout_bridge's engine protocol, so the training loop drives
 it exactly as it drives SGLang servers.
 
-Without decode slots, each `stream()` call is one batched `Sampler.generate`, run in a worker
+Without decode slots, the requests of every `stream()` call waiting when a batch starts are one
+batched `Sampler.generate` (a step's groups, each its own call, decode together), run in a worker
 thread so the event loop (and the trainer) are not blocked. With them (`Sampler(slots=)`,
 rollout.decode_slots) the engine batches continuously across calls: every stream call's requests
 join one queue, and a driver task feeds them into the slots at each decode chunk
@@ -63,6 +64,7 @@ class EmbeddedEngine:
         self._running: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._queue: list[tuple[Request, jax.Array, asyncio.Future]] = []  # continuous: waiting for a slot
+        self._waiting: list[tuple[Request, jax.Array, asyncio.Future]] = []  # static: for the next batch
         self._driver: asyncio.Task | None = None
         self._refits_waiting = 0
         self._session_past: dict[str, tuple[int, ...]] = {}  # session -> the sequence its last request left stored
@@ -108,14 +110,36 @@ class EmbeddedEngine:
             async for completion in self._stream_continuous(live, began):
                 yield completion
             return
+        for request in live:  # a bad request fails its own call, not the batch it would join
+            self.sampler.check(request.prompt_ids, request.params, f"request {request.request_id}")
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in live]
+        self._waiting.extend(zip(live, self._keys(live), futures))
+        await asyncio.sleep(0)  # the stream calls submitted with this one join the same batch
         async with self._lock:  # one batch at a time; weights cannot change under it
-            rollouts = await asyncio.to_thread(self.sampler.generate, [r.prompt_ids for r in live],
-                                               [r.params for r in live], self._keys(live),
-                                               [r.metadata for r in live])
+            if not futures[0].done():  # else an earlier holder's batch took these requests
+                await self._generate_waiting()
         latency = time.perf_counter() - began
-        for request, rollout in zip(live, rollouts):
+        for request, future in zip(live, futures):
+            rollout = await future
             self._remember(request, rollout)
             yield dataclasses.replace(rollout, request_id=request.request_id, latency_s=latency)
+
+    async def _generate_waiting(self) -> None:
+        """One `Sampler.generate` for every request waiting (of all stream calls): a step's groups
+        are one decode batch, not one batch per group. Each request keeps its own key, so its
+        sample does not depend on the others; an error reaches every call in the batch."""
+        batch, self._waiting = self._waiting, []
+        try:
+            rollouts = await asyncio.to_thread(self.sampler.generate, [r.prompt_ids for r, _, _ in batch],
+                                               [r.params for r, _, _ in batch], jnp.stack([k for _, k, _ in batch]),
+                                               [r.metadata for r, _, _ in batch])
+        except Exception as e:
+            for _, _, future in batch:
+                future.set_exception(EngineError(f"the embedded engine failed: {type(e).__name__}: {e}"))
+            return
+        for (_, _, future), rollout in zip(batch, rollouts):
+            future.set_result(rollout)
 
     async def _stream_continuous(self, live: Sequence[Request], began: float) -> AsyncIterator[Completion]:
         loop = asyncio.get_running_loop()
@@ -188,6 +212,8 @@ class EmbeddedEngine:
         self._refits_waiting += 1  # the driver admits nothing more; requests queue for the new weights
         try:
             async with self._lock:
+                if self._waiting:  # asked for before this update: served by the weights they were asked of
+                    await self._generate_waiting()
                 self.sampler.update_weights(update.model(), update.version)
         finally:
             self._refits_waiting -= 1
