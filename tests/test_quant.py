@@ -166,3 +166,18 @@ def test_an_fp8_engine_differs_from_the_trainer_more_than_a_bf16_engine():
     fp8 = per_sequence_dlogp(EngineNumerics("bfloat16", QuantScheme("fp8", "channel")))
     result = stats.mannwhitneyu(fp8, bf16, alternative="greater")
     assert result.pvalue < 0.01, (fp8.mean(), bf16.mean(), result)
+
+
+def test_the_engine_owns_its_weights_even_at_the_trainers_dtype():
+    """The train step donates the trainer's parameters; an engine still decoding the next step's
+    rollouts on them (max_staleness > 0) must not be left holding freed buffers."""
+    from opd_jax.train.build import EngineNumerics, engine_model
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    tokens = jnp.asarray([[1, 2, 3, 4]])
+    engine = engine_model(CONFIG, params, EngineNumerics("float32"))
+    before = np.asarray(engine(tokens))
+    np.testing.assert_array_equal(before, np.asarray(model(tokens)))  # the same function, f32 on both sides
+    jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(params)  # as the step does
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))
+    np.testing.assert_array_equal(np.asarray(engine(tokens)), before)

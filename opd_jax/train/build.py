@@ -105,7 +105,9 @@ def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, no
         keys = jax.random.split(jax.random.key(version), len(leaves))
         leaves = [w + noise * jnp.std(w) * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)]
         pure = jax.tree.unflatten(tree, leaves)
-    cast = jax.tree.map(lambda x: x.astype(numerics.dtype), pure)
+    # a copy even at the trainer's dtype (where astype returns the same array): the train step
+    # donates its parameters, and an engine still decoding on them (prefetch) would read freed memory
+    cast = jax.tree.map(lambda x: jnp.array(x, dtype=numerics.dtype, copy=True), pure)
     model = build_from_params(Decoder, config, cast, compute_dtype=numerics.dtype)
     return model if numerics.quantization is None else quantize_decoder(model, numerics.quantization)
 
