@@ -18,13 +18,28 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# The test processes themselves neither write nor read that cache; only the processes they start
-# do. A cache write in a pytest-xdist worker (XLA's executable.serialize) aborted the worker
-# twice in one CI run, and a worker crash under --dist loadgroup can leave the session waiting
-# forever (pytest-xdist #1323, #1378): a crash in a started process fails its one test instead.
+# The test processes themselves neither write nor read that cache; only the processes they start do.
 jax.config.update("jax_enable_compilation_cache", False)
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+# Every executable XLA compiles on the CPU keeps three memory mappings of its code and data until
+# it is dropped, and a pytest-xdist worker compiles thousands: past the kernel's vm.max_map_count
+# (65530 by default) the next compile aborts or segfaults the worker, at whatever test it
+# reaches, and under --dist loadgroup the session then waits forever (pytest-xdist #1323).
+# Dropping the compiled functions returns the mappings; tests recompile what they need.
+_MAPS = Path("/proc/self/maps")
+_MAX_MAPS = 20000
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    yield
+    if _MAPS.exists() and sum(1 for _ in _MAPS.open()) > _MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
