@@ -89,3 +89,8 @@ def test_a_bad_engine_entry_is_one_line_naming_it():
     assert_user_error(run_cli("mismatch", *TINY, "census.bands=[[2, 3]]"), "census.bands: [2.0, 3.0] must hold 1")
     assert_user_error(run_cli("mismatch", *TINY, "census.engines={bf16: {dtype: bfloat16}}", "--engines", "bf16,fp8"),
                       "--engines: fp8 not in census.engines (bf16)")
+    # an engine that cannot serve the model is named before any engine samples (nothing measured is lost)
+    late = run_cli("mismatch", *TINY, "rollout.max_new_tokens=4", "census.samples=4",
+                   "census.engines={bf16: {dtype: bfloat16}, int4: {dtype: bfloat16, quantization: {kind: int4}}}")
+    assert_user_error(late, "census.engines.int4.quantization.block_size: quantization block size 128 does not divide")
+    assert "bf16 seed" not in late.output

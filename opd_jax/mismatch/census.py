@@ -21,7 +21,7 @@ from flax import nnx
 from opd_jax.config import ConfigError, RolloutSection, TrainConfig, scoring_temperature
 from opd_jax.core import sequence_logprobs
 from opd_jax.mismatch.figures import Tokens, census_figures
-from opd_jax.train import RolloutSession, build_model
+from opd_jax.train import RolloutSession, build_model, check_engine
 
 
 def engine_kind(rollout: RolloutSection, trainer_dtype: str) -> str:
@@ -86,6 +86,8 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequ
             raise ConfigError(f"--engines: {', '.join(unknown)} not in census.engines ({', '.join(engines)})")
         engines = {name: engines[name] for name in only}
     policy, tokenizer = build_model(config.model)
+    for name, rollout in engines.items():  # every engine checked before any samples: nothing measured is lost
+        check_engine(f"census.engines.{name}", rollout, policy.config)
     trainer_dtype = config.model.compute_dtype or config.model.dtype
     census = config.census
     clip = (1 - config.algorithm.ppo.surrogate.eps_low, 1 + config.algorithm.ppo.surrogate.eps_high)
