@@ -23,6 +23,8 @@ from opd_jax.core import sequence_logprobs
 from opd_jax.mismatch.figures import Tokens, census_figures
 from opd_jax.train import RolloutSession, build_model, check_engine
 
+_LOGITS_BYTES = 2**30  # the trainer's logits per scoring pass
+
 
 def engine_kind(rollout: RolloutSection, trainer_dtype: str) -> str:
     """What the engine is next to the trainer: the same code at its own numerics, or another stack."""
@@ -55,7 +57,11 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
         while rows < config.census.samples:
             batch, _, metrics = session.next_batch(0, policy.config.vocab_size)
             generated += metrics["rollout/tokens"]
-            logp = np.asarray(score(graphdef, params, batch)[0])
+            # rows scored a few at a time: a whole batch's logits (rows × tokens × vocabulary, 7 GiB
+            # for 64 SmolLM2 rows of 600 tokens) would not fit beside the engine
+            rows_per_pass = max(1, _LOGITS_BYTES // (batch.tokens.shape[1] * policy.config.vocab_size * 4))
+            logp = np.concatenate([np.asarray(score(graphdef, params, jax.tree.map(lambda x: x[a:a + rows_per_pass], batch))[0])  # noqa: E501
+                                   for a in range(0, batch.tokens.shape[0], rows_per_pass)])
             mask = np.asarray(batch.response_mask) > 0
             take = min(mask.shape[0], config.census.samples - rows)
             for r in range(take):
