@@ -440,8 +440,8 @@ class CensusSection(Section):
             try:
                 out[name] = RolloutSection.model_validate(_merged(rollout.model_dump(), keys))
             except ValidationError as e:
-                problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors())
-                raise ValueError(f"census.engines.{name}.{problems}") from None
+                problems = "; ".join("".join(f".{part}" for part in p["loc"]) + f": {p['msg']}" for p in e.errors())
+                raise ValueError(f"census.engines.{name}{problems}") from None
         return out
 
 
