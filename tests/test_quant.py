@@ -129,6 +129,10 @@ def test_engine_settings_are_checked_before_anything_runs():
                                        "rollout.kv_cache_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="servers at rollout.sglang.urls run as they were started"):
         PPOTask(running).check_inputs()
+    served = load_config(Path(__file__).parents[1] / "configs" / "quickstart_sglang.yaml", ["rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="rollout.dtype is bfloat16 but rollout.sglang.launch.command serves --dtype "
+                                          "float32: make them agree"):
+        PPOTask(served).check_inputs()
     with pytest.raises(ConfigError, match="rollout.kv_cache_dtype: Input should be 'bfloat16' or 'float8_e4m3fn'"):
         load_config(quickstart, ["rollout.kv_cache_dtype=int8"])
     with pytest.raises(ConfigError, match="int8 quantization takes scales channel, not 'group'"):

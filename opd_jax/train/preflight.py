@@ -124,6 +124,11 @@ def check_engine(key: str, rollout: RolloutSection, config: ModelConfig | None) 
             raise ConfigError(f"{key}.quantization / {key}.kv_cache_dtype: servers at {key}.sglang.urls run as they "
                               f"were started; set these for servers the bridge launches ({key}.sglang.launch)")
         sglang_server_flags(rollout)
+        command = list(rollout.sglang.launch.command) if rollout.sglang.launch is not None else []
+        served = command[command.index("--dtype") + 1] if "--dtype" in command[:-1] else None
+        if served is not None and served != rollout.dtype:
+            raise ConfigError(f"{key}.dtype is {rollout.dtype} but {key}.sglang.launch.command serves --dtype {served}: "
+                              f"make them agree (the census and the run's records take {key}.dtype for the engine's)")
 
 
 def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,
