@@ -60,8 +60,9 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
             # rows scored a few at a time: a whole batch's logits (rows × tokens × vocabulary, 7 GiB
             # for 64 SmolLM2 rows of 600 tokens) would not fit beside the engine
             rows_per_pass = max(1, _LOGITS_BYTES // (batch.tokens.shape[1] * policy.config.vocab_size * 4))
-            logp = np.concatenate([np.asarray(score(graphdef, params, jax.tree.map(lambda x: x[a:a + rows_per_pass], batch))[0])  # noqa: E501
-                                   for a in range(0, batch.tokens.shape[0], rows_per_pass)])
+            passes = [jax.tree.map(lambda x, a=a: x[a:a + rows_per_pass], batch)
+                      for a in range(0, batch.tokens.shape[0], rows_per_pass)]
+            logp = np.concatenate([np.asarray(score(graphdef, params, part)[0]) for part in passes])
             mask = np.asarray(batch.response_mask) > 0
             take = min(mask.shape[0], config.census.samples - rows)
             for r in range(take):

@@ -53,6 +53,11 @@ def _score(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequenc
     return [logp[i, 1:len(s)].tolist() for i, s in enumerate(sequences)]
 
 
+def _failed(error: Exception) -> EngineError:
+    """What every request of a batch (static or continuous) that failed is answered with."""
+    return EngineError(f"the embedded engine failed: {type(error).__name__}: {error}")
+
+
 class EmbeddedEngine:
     logprob_convention = TEMPERED_UNTRUNCATED  # `sample_tokens`
 
@@ -136,7 +141,7 @@ class EmbeddedEngine:
                                                [r.metadata for r, _, _ in batch])
         except Exception as e:
             for _, _, future in batch:
-                future.set_exception(EngineError(f"the embedded engine failed: {type(e).__name__}: {e}"))
+                future.set_exception(_failed(e))
             return
         for (_, _, future), rollout in zip(batch, rollouts):
             future.set_result(rollout)
@@ -202,7 +207,7 @@ class EmbeddedEngine:
             except Exception as e:  # every request decoding or waiting gets the error, in its stream call
                 for _, future in [*in_flight.values(), *((f, f) for _, _, f in self._queue)]:
                     if not future.done():
-                        future.set_exception(EngineError(f"the embedded engine failed: {type(e).__name__}: {e}"))
+                        future.set_exception(_failed(e))
                 self._queue.clear()
 
     async def update_weights(self, update: WeightUpdate) -> None:
