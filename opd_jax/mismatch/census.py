@@ -94,7 +94,7 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequ
         engines = {name: engines[name] for name in only}
     policy, tokenizer = build_model(config.model)
     for name, rollout in engines.items():  # every engine checked before any samples: nothing measured is lost
-        check_engine(f"census.engines.{name}", rollout, policy.config)
+        check_engine(f"census.engines.{name}" if config.census.engines else "rollout", rollout, policy.config)
     trainer_dtype = config.model.compute_dtype or config.model.dtype
     census = config.census
     clip = (1 - config.algorithm.ppo.surrogate.eps_low, 1 + config.algorithm.ppo.surrogate.eps_high)
