@@ -170,6 +170,40 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> 
     return out.reshape(B, T, n, d)
 
 
+def _spans(slots: int, step: int = 128, most: int = 8) -> list[int]:
+    """The slot counts cache attention is compiled for: multiples of `step` (at most `most` of
+    them) up to `slots`, the last `slots` itself."""
+    step = max(step, -(-slots // most // step) * step)
+    return sorted({min(slots, s) for s in range(step, slots + step, step)})
+
+
+def _cache_attention(q: jax.Array, cache_kv: tuple, layer: jax.Array, allowed: jax.Array, filled: jax.Array,
+                     dtype: Any) -> jax.Array:
+    """_attention of q over one layer of the cache, read only up to the smallest span of `_spans`
+    that holds the `filled` slots written so far. Every slot after them is masked out of
+    `allowed`, so the result is the full range's, while a decode step early in a long response
+    reads a fraction of the cache (its cost grows with the slots read: on a CPU, most of a long
+    response's decode step)."""
+    cache_k, cache_v, k_scale, v_scale = cache_kv
+    B, S = cache_k.shape[1:3]
+
+    def attend(span: int) -> jax.Array:
+        def read(x: jax.Array | None) -> jax.Array | None:
+            if x is None:
+                return None
+            start = (layer, 0, 0) + (0,) * (x.ndim - 3)
+            return jax.lax.dynamic_slice(x, start, (1, B, span) + x.shape[3:])[0]
+        k = _from_cache(read(cache_k), read(k_scale), dtype)
+        v = _from_cache(read(cache_v), read(v_scale), dtype)
+        return _attention(q, k, v, allowed[..., :span])
+
+    spans = _spans(S)
+    if len(spans) == 1:
+        return attend(S)
+    index = jnp.searchsorted(jnp.asarray(spans), filled)  # the first span >= filled
+    return jax.lax.switch(jnp.minimum(index, len(spans) - 1), [functools.partial(attend, s) for s in spans])
+
+
 def _is_fp8(dtype: Any) -> bool:
     return jnp.dtype(dtype) == jnp.float8_e4m3fn
 
@@ -221,11 +255,10 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
                     scales = scales.at[layer, rows, cols].set(scale, mode="drop")
             stored.append((cache, scales))
         (cache_k, k_scale), (cache_v, v_scale) = stored
-        layer_scale = lambda sc: None if sc is None else jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)  # noqa: E731
-        k = _from_cache(jax.lax.dynamic_index_in_dim(cache_k, layer, keepdims=False), layer_scale(k_scale), dt)
-        v = _from_cache(jax.lax.dynamic_index_in_dim(cache_v, layer, keepdims=False), layer_scale(v_scale), dt)
         cache_kv = (cache_k, cache_v, k_scale, v_scale)
-    attn = _attention(q, k, v, allowed)
+        attn = _cache_attention(q, cache_kv, layer, allowed, jnp.max(write_at) + q.shape[1], dt)
+    else:
+        attn = _attention(q, k, v, allowed)
     out = jnp.einsum("btnd,ndh->bth", attn, w["o"])
     if config.o_bias:
         out = out + w["o_bias"]
