@@ -1,5 +1,7 @@
 """The embedded engine against a full forward recomputation and a NumPy reference of sampling."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,27 @@ def test_kv_cache_decode_equals_no_cache_forward(model):
         logits, cache, _ = model.decode(jnp.asarray(seq[:, t:t + 1]), cache, positions=positions[:, t:t + 1])
         np.testing.assert_allclose(np.asarray(logits), full[:, t], rtol=1e-5, atol=1e-4)
     assert int(cache.length) == 14
+
+
+@pytest.mark.parametrize("slots,kv", [(None, None), (2, None), (None, "float8_e4m3fn")])
+def test_long_responses_read_the_cache_span_by_span(slots, kv):
+    """Responses that run through several 128-slot spans of the cache (a decode step reads only
+    the spans written so far: decoder._cache_attention): every log-prob is still a full forward's,
+    in one static batch and with continuous batching; an fp8 cache gives what each request gets
+    alone."""
+    model = Decoder(dataclasses.replace(CONFIG, max_position_embeddings=1024), rngs=nnx.Rngs(5))
+    prompts = ragged_prompts(np.random.default_rng(6), [5, 40, 17])
+    params = SamplingParams(max_new_tokens=330, temperature=1.0)
+    keys = jax.random.split(jax.random.key(3), len(prompts))
+    rollouts = Sampler(model, slots=slots, kv_cache_dtype=kv).generate(prompts, params, keys)
+    for i, rollout in enumerate(rollouts):
+        assert len(rollout.output_ids) == 330
+        if kv is None:
+            np.testing.assert_allclose(rollout.output_logprobs, recompute_logprobs(model, rollout, 1.0)[0], atol=1e-4)
+        else:
+            (alone,) = Sampler(model, slots=1, kv_cache_dtype=kv).generate([prompts[i]], params, keys[i:i + 1])
+            assert rollout.output_ids == alone.output_ids
+            np.testing.assert_allclose(rollout.output_logprobs, alone.output_logprobs, atol=1e-4)
 
 
 def test_same_key_same_samples_other_key_differs(model):
@@ -169,28 +192,31 @@ def test_sampling_frequencies_follow_the_truncated_distribution():
     np.testing.assert_allclose(np.asarray(logprobs), logits[np.asarray(tokens)], atol=1e-6)
 
 
-def test_the_inverse_cdf_draw_follows_softmax_and_never_draws_a_masked_token():
+@pytest.mark.parametrize("V,masked", [(12, [0, 5, 11]), (300, [0, 127, *range(128, 256), 256, 299])])
+def test_the_inverse_cdf_draw_follows_softmax_and_never_draws_a_masked_token(V, masked):
     """draw (one uniform per row) against the softmax probabilities by a chi-square test, with
-    masked tokens (-inf) first, inside and last in the row: they are never drawn, and a row with
-    one unmasked token always draws it."""
+    masked tokens (-inf) first, inside and last in the row, and at V = 300 (three blocks of its
+    two-level search, the last one partial) at block edges and a whole block: they are never
+    drawn, and a row with one unmasked token always draws it."""
     from scipy import stats
 
     from opd_jax.sampling.ops import draw
 
     rng = np.random.default_rng(3)
-    logits = rng.normal(size=12).astype(np.float32) * 1.5
-    logits[[0, 5, 11]] = -np.inf
-    n = 40000
+    logits = rng.normal(size=V).astype(np.float32) * (1.5 if V < 100 else 0.5)
+    logits[masked] = -np.inf
+    n = 40000 if V < 100 else 200000
     tokens = np.asarray(draw(jax.random.split(jax.random.key(1), n), jnp.tile(jnp.asarray(logits), (n, 1))))
     probs = np.exp(np.float64(logits) - logits.max())
     probs /= probs.sum()
-    counts = np.bincount(tokens, minlength=12)
-    assert counts[[0, 5, 11]].sum() == 0
+    counts = np.bincount(tokens, minlength=V)
+    assert counts[masked].sum() == 0
     live = probs > 0
     assert stats.chisquare(counts[live], probs[live] * n).pvalue > 1e-3
-    one = np.full((4, 12), -np.inf, np.float32)
-    one[np.arange(4), [0, 3, 7, 11]] = 0.0
-    np.testing.assert_array_equal(draw(jax.random.split(jax.random.key(2), 4), jnp.asarray(one)), [0, 3, 7, 11])
+    alive = [1, V // 3, V // 2 + 1, V - 2]
+    one = np.full((4, V), -np.inf, np.float32)
+    one[np.arange(4), alive] = 0.0
+    np.testing.assert_array_equal(draw(jax.random.split(jax.random.key(2), 4), jnp.asarray(one)), alive)
 
 
 @settings(max_examples=60, deadline=None)
