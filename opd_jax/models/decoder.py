@@ -225,8 +225,8 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
                      inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple | None,
                      layer: jax.Array | None, write_at: jax.Array | None):
     """x + attention(norm(x)). With a cache (k, v, k_scale, v_scale), k/v are written into the
-    all-layer cache arrays in place (at [layer, :, write_at]) and the layer's whole slot range is
-    attended over, as the cache holds it."""
+    all-layer cache arrays in place (at [layer, :, write_at]) and the layer's slots written so far
+    are attended over, as the cache holds them (`_cache_attention`)."""
     dt = x.dtype
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
     q = jnp.einsum("bth,hnd->btnd", h, w["q"])
@@ -243,6 +243,11 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
         stored = []
         for new, cache, scales in zip((k, v), cache_kv[:2], cache_kv[2:]):
             value, scale = _to_cache(new, cache.dtype)
+            stored_dtype = cache.dtype
+            if stored_dtype.itemsize < 4:  # written as raw bits: XLA:CPU updates a float8 or 16-bit
+                # float array by converting all of it (the whole cache, every layer, every step)
+                bits = {1: jnp.uint8, 2: jnp.uint16}[stored_dtype.itemsize]
+                cache, value = (jax.lax.bitcast_convert_type(x, bits) for x in (cache, value))
             if write_at.ndim == 0:
                 cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
                 if scales is not None:
@@ -253,7 +258,7 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
                 cache = cache.at[layer, rows, cols].set(value, mode="drop")
                 if scales is not None:
                     scales = scales.at[layer, rows, cols].set(scale, mode="drop")
-            stored.append((cache, scales))
+            stored.append((jax.lax.bitcast_convert_type(cache, stored_dtype), scales))
         (cache_k, k_scale), (cache_v, v_scale) = stored
         cache_kv = (cache_k, cache_v, k_scale, v_scale)
         attn = _cache_attention(q, cache_kv, layer, allowed, jnp.max(write_at) + q.shape[1], dt)
