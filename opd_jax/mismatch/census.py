@@ -22,6 +22,7 @@ from opd_jax.config import ConfigError, RolloutSection, TrainConfig, scoring_tem
 from opd_jax.core import sequence_logprobs
 from opd_jax.mismatch.figures import Tokens, census_figures
 from opd_jax.train import RolloutSession, build_model, check_engine
+from opd_jax.train.console import progress
 
 _LOGITS_BYTES = 2**30  # the trainer's logits per scoring pass
 
@@ -40,9 +41,10 @@ def engine_kind(rollout: RolloutSection, trainer_dtype: str) -> str:
 
 
 def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, policy: Any, tokenizer: Any,
-                  scratch: Path) -> tuple[Tokens, dict[str, Any]]:
+                  scratch: Path, label: str = "census") -> tuple[Tokens, dict[str, Any]]:
     """`census.samples` responses of the engine `rollout`, scored by the trainer: their tokens
-    (see figures.Tokens), with the token ids and the sampling's throughput in `extra`."""
+    (see figures.Tokens), with the token ids and the sampling's throughput in `extra`. A progress
+    bar named `label` counts the responses."""
     replay = config.algorithm.ppo.routing_replay == "r3" and policy.config.moe is not None
     session = RolloutSession(rollout=rollout, data=config.data, seed=seed, policy=policy,
                              params=nnx.state(policy, nnx.Param), tokenizer=tokenizer, run_dir=scratch,
@@ -53,6 +55,7 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
     trainer, engine, position, sequence, ids = [], [], [], [], []
     rows = generated = 0
     began = time.perf_counter()
+    bar = progress(config.census.samples, label, unit="sample")
     try:
         while rows < config.census.samples:
             batch, _, metrics = session.next_batch(0, policy.config.vocab_size)
@@ -73,7 +76,9 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
                 sequence.append(np.full(on.size, rows + r))
                 ids.append(np.asarray(batch.tokens)[r, on])
             rows += take
+            bar.update(take)
     finally:
+        bar.close()
         session.close()
     flat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
     tokens = Tokens(flat(trainer, np.float32), flat(engine, np.float32), flat(position, np.int32),
@@ -105,7 +110,8 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequ
     for name, rollout in engines.items():
         entry = result["engines"][name] = {"kind": engine_kind(rollout, trainer_dtype), "seeds": {}}
         for seed in census.seeds:
-            tokens, extra = sample_tokens(config, rollout, seed, policy, tokenizer, out / "scratch" / name)
+            tokens, extra = sample_tokens(config, rollout, seed, policy, tokenizer, out / "scratch" / name,
+                                          f"{name} seed {seed}")
             longest = max(rollout.max_new_tokens, int(tokens.position.max(initial=-1)) + 1)  # episodes: several turns
             figures = census_figures(tokens, bands=census.bands, clip=clip, position_bins=census.position_bins,
                                      longest=longest)
