@@ -49,7 +49,7 @@ def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
     blocks of _BLOCK tokens; the block drawn is the first whose running mass M_j exceeds u·M,
     and inside it the token is the first whose running mass from the block's start exceeds what
     is left of u·M. So only [B, V / _BLOCK] and [B, _BLOCK] prefix sums are taken, not one
-    [B, V] (a scan that cost a SmolLM2 decode step at 64 rows about 30 ms on a CPU). A block or
+    [B, V] (a scan XLA:CPU takes about 11 ms over at 64 SmolLM2 rows; the draw, 4). A block or
     token of probability 0 is never taken; should rounding leave u·M at or past the last prefix
     sum, the last one of nonzero probability is."""
     chex.assert_rank(logits, 2)
@@ -91,8 +91,8 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     chex.assert_rank(logits, 2)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    # the sort only when a row truncates; the cond moves a [B, 1] threshold, not the [B, V] logits
-    # (on a CPU a conditional's [B, V] result costs as much as the draw)
+    # the sort only when a row truncates; the cond hands back a [B, 1] threshold, not a copy of
+    # the [B, V] logits
     needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0))
     threshold = jax.lax.cond(needs_truncation, nucleus_threshold,
                              lambda s, k, p: jnp.full((s.shape[0], 1), _NEG, s.dtype), scaled, top_k, top_p)
