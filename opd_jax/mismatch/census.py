@@ -21,8 +21,7 @@ from flax import nnx
 from opd_jax.config import ConfigError, RolloutSection, TrainConfig, scoring_temperature
 from opd_jax.core import sequence_logprobs
 from opd_jax.mismatch.figures import Tokens, census_figures
-from opd_jax.train import RolloutSession, build_model, check_engine
-from opd_jax.train.console import progress
+from opd_jax.train import RolloutSession, build_model, check_engine, progress
 
 _LOGITS_BYTES = 2**30  # the trainer's logits per scoring pass
 
