@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 # reaches, and under --dist loadgroup the session then waits forever (pytest-xdist #1323).
 # Dropping the compiled functions returns the mappings; tests recompile what they need.
 _MAPS = Path("/proc/self/maps")
-_MAX_MAPS = 20000
+_MAX_MAPS = 12000
 
 
 @pytest.fixture(autouse=True)
