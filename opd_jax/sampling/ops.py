@@ -69,8 +69,8 @@ def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
 def _first(past: jax.Array, positive: jax.Array) -> jax.Array:
     """Per row [B, N]: the first index where both hold; where none does, the last positive one."""
     hit = past & positive
-    last = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
-    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last)
+    last = positive.shape[-1] - 1 - argmax(positive[:, ::-1])
+    return jnp.where(jnp.any(hit, axis=-1), argmax(hit), last)
 
 
 def argmax(x: jax.Array) -> jax.Array:
