@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from ppo_setup import TINY, assert_updates_close, make_state, rollout_batch, scored_batch
+from ppo_setup import TINY, assert_updates_close, make_state, rollout_batch, scored_batch, tiny_models
 from test_core_losses import numpy_gae
 
 from opd_jax.core import (
@@ -18,6 +18,7 @@ from opd_jax.core import (
     MismatchCorrection,
     OptimizerConfig,
     PPOConfig,
+    PPOState,
     SurrogateConfig,
     UpdateConfig,
     make_optimizer,
@@ -343,3 +344,23 @@ def test_minus_inf_engine_logprobs_off_the_mask_leave_the_step_unchanged(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for name, value in clean.items():
         np.testing.assert_array_equal(float(metrics[name]), float(value), err_msg=name)
+
+
+def test_a_kl_run_scores_against_the_frozen_reference():
+    """PPOState.create(reference=True) holds a copy of the policy that score_batch scores each
+    batch with (logp_ref) and the step never trains: after one step the policy's log-probs moved,
+    the reference's are the first step's θ_old log-probs still."""
+    policy, critic = tiny_models()
+    state = PPOState.create(policy, critic, optax.sgd(0.5), optax.sgd(0.5), reference=True)
+    batch = scored_batch(state)
+    np.testing.assert_array_equal(np.asarray(batch.logp_ref), np.asarray(batch.logp_old))
+    config = PPOConfig(kl=KLConfig(coef=0.1, kind="k3", where="loss"))
+    new, metrics = jax.jit(functools.partial(ppo_step, config=config))(state, batch)
+    assert float(metrics["policy/kl_loss"]) < 1e-9  # the one update starts at the reference
+    for x, y in zip(jax.tree.leaves(new.reference), jax.tree.leaves(state.reference)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    again = score_batch(new, rollout_batch())
+    np.testing.assert_allclose(np.asarray(again.logp_ref), np.asarray(batch.logp_old), atol=1e-6)
+    assert np.abs(np.asarray(again.logp_old - again.logp_ref)).max() > 1e-3
+    # without a KL term nothing of a reference is held or scored
+    assert score_batch(make_state(optax.sgd(0.1), optax.sgd(0.1)), rollout_batch()).logp_ref is None

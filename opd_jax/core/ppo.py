@@ -65,7 +65,8 @@ from opd_jax.models import Decoder, ValueModel
 
 @dataclasses.dataclass(frozen=True)
 class KLConfig:
-    """KL to a frozen reference; off by default (GLM-5.2 removed it). `where`: "loss" adds
+    """KL to a frozen reference (the policy as RL starts: `PPOState.reference`, held only when
+    coef > 0); off by default (GLM-5.2 removed it). `where`: "loss" adds
     coef·KL(π_θ ‖ π_ref) to the policy loss; "reward" subtracts coef·KL(π_old ‖ π_ref) from each
     token's reward before GAE."""
 
@@ -178,7 +179,9 @@ class PPOState:
     """Policy and critic parameters (nnx.State, which keeps each parameter's logical axes) and
     their optimizer states, plus the step count. The graph definitions and optimizers are static.
     A run whose estimator needs no critic has none: critic, critic_opt, critic_def and
-    critic_tx are None (nothing of it is held, scored, trained or checkpointed)."""
+    critic_tx are None (nothing of it is held, scored, trained or checkpointed). `reference`: the
+    frozen parameters a KL term measures the policy against (the policy as the state was created,
+    i.e. after the warm start; checkpointed with the state, never trained), None when no KL is on."""
 
     step: jax.Array
     policy: nnx.State
@@ -189,17 +192,21 @@ class PPOState:
     critic_def: nnx.GraphDef | None = flax.struct.field(pytree_node=False)
     policy_tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
     critic_tx: optax.GradientTransformation | None = flax.struct.field(pytree_node=False)
+    reference: nnx.State | None = None
 
     @classmethod
     def create(cls, policy: Decoder, critic: ValueModel | None, policy_tx: optax.GradientTransformation,
-               critic_tx: optax.GradientTransformation | None) -> PPOState:
+               critic_tx: optax.GradientTransformation | None, *, reference: bool = False) -> PPOState:
+        """reference: also hold a frozen copy of the policy's parameters (for a KL term)."""
         policy_def, policy_params = nnx.split(policy, nnx.Param)
         critic_def, critic_params = nnx.split(critic, nnx.Param) if critic is not None else (None, None)
+        # a copy, not the same buffers: the step donates the state, policy and reference alike
+        frozen = jax.tree.map(jnp.copy, policy_params) if reference else None
         return cls(step=jnp.zeros((), jnp.int32), policy=policy_params, critic=critic_params,
                    policy_opt=policy_tx.init(policy_params),
                    critic_opt=None if critic is None else critic_tx.init(critic_params),
                    policy_def=policy_def, critic_def=critic_def, policy_tx=policy_tx,
-                   critic_tx=None if critic is None else critic_tx)
+                   critic_tx=None if critic is None else critic_tx, reference=frozen)
 
     @property
     def has_critic(self) -> bool:
@@ -220,21 +227,25 @@ def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
     """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature),
     old_values (state.critic) and end_values (the critic's value of each whole row, which a
     truncated episode bootstraps from) filled in, computed in `microbatches` slices. Per-token
-    ones are zero off the mask. A state without a critic fills logp_old only (no value pass).
+    ones are zero off the mask. A state without a critic fills logp_old only (no value pass); a
+    state with a reference also fills logp_ref (the reference's log-probs, for the KL term).
     routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3).
     old_logprobs "engine": logp_old = logp_infer, the policy's forward pass skipped (bypass mode)."""
-    def logprobs(b: RolloutBatch):
-        if old_logprobs == "engine":
-            return b.logp_infer
-        return sequence_logprobs(state.policy_def, state.policy, b, temperature=temperature, replay=routing_replay)[0]
+    def logprobs(params: nnx.State, b: RolloutBatch) -> jax.Array:
+        return sequence_logprobs(state.policy_def, params, b, temperature=temperature, replay=routing_replay)[0]
+
+    def scores(b: RolloutBatch) -> dict[str, jax.Array]:
+        out = {"logp_old": b.logp_infer if old_logprobs == "engine" else logprobs(state.policy, b)}
+        if state.reference is not None:
+            out["logp_ref"] = logprobs(state.reference, b)
+        if state.has_critic:
+            out["old_values"], out["end_values"] = values_and_final(state.critic_def, state.critic, b)
+        return out
 
     on = batch.response_mask > 0
-    if not state.has_critic:
-        return batch.replace(logp_old=jnp.where(on, map_rows(logprobs, batch, microbatches), 0.0))
-    logp_old, old_values, end_values = map_rows(
-        lambda b: (logprobs(b), *values_and_final(state.critic_def, state.critic, b)), batch, microbatches)
-    return batch.replace(logp_old=jnp.where(on, logp_old, 0.0), old_values=jnp.where(on, old_values, 0.0),
-                         end_values=end_values)
+    out = map_rows(scores, batch, microbatches)
+    per_token = {k: jnp.where(on, v, 0.0) for k, v in out.items() if k != "end_values"}
+    return batch.replace(**per_token, **({"end_values": out["end_values"]} if "end_values" in out else {}))
 
 
 # --- the step -------------------------------------------------------------------------------
@@ -364,8 +375,8 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
     if batch.logp_old is None or (config.uses_critic and batch.old_values is None):
         raise ValueError("ppo_step needs batch.logp_old (and, with a critic, batch.old_values): run score_batch first")
     if config.kl.enabled and batch.logp_ref is None:
-        raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: run policy_logprobs "
-                         "with the reference's parameters")
+        raise ValueError("a KL term is on (kl.coef > 0) but batch.logp_ref is missing: create the state with "
+                         "PPOState.create(..., reference=True) and score the batch with score_batch")
     if group_size < 1 or temperature <= 0:
         raise ValueError(f"ppo_step needs group_size >= 1 and temperature > 0 (greedy rollouts score at 1.0), "
                          f"got {group_size}, {temperature}")

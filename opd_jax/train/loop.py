@@ -28,12 +28,12 @@ __all__ = ["PPOTask", "memory_report", "train"]
 
 
 def memory_report(state: PPOState) -> dict[str, float | bool]:
-    """Bytes of policy, critic and both optimizer states (what training holds besides
-    activations; 0 for a critic the run does not have), whether it has a critic, and this
-    process's peak resident memory so far."""
+    """Bytes of policy, critic, KL reference and both optimizer states (what training holds
+    besides activations; 0 for a critic or reference the run does not have), whether it has a
+    critic, and this process's peak resident memory so far."""
     nbytes = lambda tree: float(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
     return {"policy_gib": nbytes(state.policy) / 2**30, "critic": state.has_critic,
-            "critic_gib": nbytes(state.critic) / 2**30,
+            "critic_gib": nbytes(state.critic) / 2**30, "reference_gib": nbytes(state.reference) / 2**30,
             "optimizer_states_gib": nbytes((state.policy_opt, state.critic_opt)) / 2**30,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -73,13 +73,16 @@ class PPOTask(Task):
         return {"warm start": time.perf_counter() - began}
 
     def create_state(self) -> PPOState:
-        """The policy and, only when the estimator needs one, the critic with its optimizer."""
+        """The policy; only when the estimator needs one, the critic with its optimizer; only when a
+        KL term is on, the frozen reference (the policy as RL starts: after the warm start)."""
         algorithm = self.config.algorithm
         optimizer = functools.partial(make_optimizer, compute_dtype=self.trainer_dtype)  # float16: loss-scaled
+        reference = algorithm.ppo.kl.enabled
         if not algorithm.ppo.uses_critic:
-            return PPOState.create(self.policy, None, optimizer(algorithm.policy_optimizer), None)
+            return PPOState.create(self.policy, None, optimizer(algorithm.policy_optimizer), None, reference=reference)
         return PPOState.create(self.policy, build_critic(self.policy, self.config),
-                               optimizer(algorithm.policy_optimizer), optimizer(algorithm.critic_optimizer))
+                               optimizer(algorithm.policy_optimizer), optimizer(algorithm.critic_optimizer),
+                               reference=reference)
 
     def policy_params(self, state: PPOState):
         return state.policy

@@ -162,6 +162,8 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
     if memory is not None:
         critic = f"critic {memory['critic_gib']:.3g} GiB" if memory.get("critic", True) \
             else "no critic (the estimator needs none)"
+        if memory.get("reference_gib"):
+            critic += f", KL reference {memory['reference_gib']:.3g} GiB"
         lines.append(f"memory: policy {memory['policy_gib']:.3g} GiB, {critic}, optimizer states "
                      f"{memory['optimizer_states_gib']:.3g} GiB; peak resident {memory['peak_rss_gib']:.3g} GiB")
     lines.append("wall time: " + ", ".join(f"{name} {_duration(s)}" for name, s in phases.items())
