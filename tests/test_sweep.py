@@ -94,6 +94,9 @@ def test_collapse_is_found_with_its_first_step_per_kind():
                                                       "any": 7}
     calm = [r for r in rows if r["step"] < 7]
     assert collapse(calm, "eval/accuracy", rule)["any"] is None
+    # a run that learns: its gradient norm grows 30-fold over 300 steps, never 10-fold in 20 steps
+    growing = [{"step": s, "policy/grad_norm": 0.1 + 0.01 * s} for s in range(1, 301)]
+    assert collapse(growing, "eval/accuracy", rule)["grad_blowup"] is None
 
 
 @pytest.mark.parametrize("spec, message", [

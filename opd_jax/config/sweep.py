@@ -28,7 +28,10 @@ class CollapseSection(Section):
     eval_drop: float = Field(0.1, ge=0)
     """The held-out metric falls below its first evaluation by more than this."""
     grad_norm_factor: float = Field(10.0, gt=1)
-    """policy/grad_norm exceeds this many times its median over the run's first 5 steps."""
+    """policy/grad_norm exceeds this many times its median over the grad_norm_window steps before it
+    (a spike; the norm of a run that learns grows slowly, tens of times over hundreds of steps)."""
+    grad_norm_window: int = Field(20, ge=5)
+    """How many preceding steps' policy/grad_norm the spike is measured against (their median)."""
     entropy_floor: float = Field(0.05, ge=0)
     """policy/entropy (nats per token) falls below this."""
 

@@ -45,7 +45,8 @@ def paired(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> dic
 def collapse(rows: Sequence[dict[str, float]], eval_metric: str, rule: CollapseSection) -> dict[str, int | None]:
     """The first step of each kind of collapse in one run's metrics rows (None: it did not):
     eval_drop (the held-out metric below its first evaluation − rule.eval_drop), grad_blowup
-    (policy/grad_norm > rule.grad_norm_factor × its median over the first 5 steps that logged it),
+    (policy/grad_norm > rule.grad_norm_factor × its median over the rule.grad_norm_window steps
+    before it, from the 6th step that logged it on: a spike, not the slow growth of a run that learns),
     nonfinite (a skipped non-finite update), entropy (policy/entropy < rule.entropy_floor);
     and "any": the earliest of them."""
     evals = [r for r in rows if eval_metric in r]
@@ -54,10 +55,10 @@ def collapse(rows: Sequence[dict[str, float]], eval_metric: str, rule: CollapseS
         start = evals[0][eval_metric]
         out["eval_drop"] = next((int(r["step"]) for r in evals[1:] if r[eval_metric] < start - rule.eval_drop), None)
     grads = [r for r in rows if "policy/grad_norm" in r]
-    if grads:
-        typical = float(np.median([r["policy/grad_norm"] for r in grads[:5]]))
-        out["grad_blowup"] = next((int(r["step"]) for r in grads if not r["policy/grad_norm"] <= rule.grad_norm_factor
-                                   * typical), None)
+    norms = [r["policy/grad_norm"] for r in grads]
+    out["grad_blowup"] = next((int(r["step"]) for i, r in enumerate(grads) if i >= 5 and not norms[i]
+                               <= rule.grad_norm_factor * float(np.median(norms[max(0, i - rule.grad_norm_window):i]))),
+                              None)
     out["nonfinite"] = next((int(r["step"]) for r in rows if r.get("policy/skipped_nonfinite", 0)
                              or r.get("critic/skipped_nonfinite", 0)), None)
     out["entropy"] = next((int(r["step"]) for r in rows if r.get("policy/entropy", math.inf) < rule.entropy_floor), None)
