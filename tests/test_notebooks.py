@@ -46,6 +46,23 @@ def test_mismatch_notebook(tmp_path, monkeypatch):
     assert server["embedded bf16"]["abs_dlogp"] > 1e-4 and server["sglang-jax bf16"]["refit_s"] > 0
 
 
+def test_rl_claims_notebook(tmp_path, monkeypatch):
+    """The three claim sweeps at test size (2 seeds, 2 steps, a few cells): a learning rate is
+    chosen from the validation runs; in the bypass mode θ_old is the engine, so its Δlogp reads 0
+    and the mismatch lands in PPO's clip instead (phantom clipping), where recompute clips nothing
+    on its one update; IcePop gives weight 0 to the tokens outside its band; the KL to the reference
+    is measured only where it is on."""
+    summary = run_notebook("rl_claims", tmp_path, monkeypatch)
+    assert summary["lr"]["chosen"] in (1e-4, 4e-4) and set(summary["lr"]["means"]) == {"0.0001", "0.0004"}
+    bypass, none, icepop = (summary[f"inject_weight_noise=1.0,correction={c}"] for c in ("bypass-none", "none", "icepop"))
+    assert all(cell["seeds"] == 2 and 0 <= cell["final"] <= 1 for cell in (bypass, none, icepop))
+    assert bypass["mismatch_abs_logp_diff"] == 0 and bypass["policy/clip_frac_low"] > 0.01
+    assert none["mismatch_abs_logp_diff"] > 0.1 and none["policy/clip_frac_low"] == none["policy/clip_frac_high"] == 0
+    assert icepop["policy/weight_zero_frac"] > 0.01 and none["policy/weight_zero_frac"] == 0
+    assert summary["kl=off"]["kl"] is None and summary["kl=loss-1e-2"]["kl"] >= 0
+    assert (tmp_path / "claim1.png").exists() and (tmp_path / "claim3.png").exists()
+
+
 def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
     """Both steps at test size: a rate chosen per method on the short domain from the validation
     seeds' runs (the maze keeps its committed rates), the fresh runs at the chosen rates (2

@@ -2,7 +2,7 @@
 a reader sees the plots and tables without running anything (the test suite runs them at small
 size, `tests/test_notebooks.py`).
 
-    python tools/run_notebooks.py                      # all three, one after another
+    python tools/run_notebooks.py                      # all four, one after another
     python tools/run_notebooks.py ppo_vs_grpo          # one
 
 Run from the repository root; each notebook's runs go to runs/notebooks/NAME/ (and the merge's
@@ -19,7 +19,7 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ("mismatch_analysis", "ppo_vs_grpo", "opd_merge")
+NOTEBOOKS = ("mismatch_analysis", "rl_claims", "ppo_vs_grpo", "opd_merge")
 
 
 def run(name: str) -> float:
