@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from train_loop_settings import RESUME_ARGS, TINY
+from train_loop_settings import RESUME_ARGS, TINY, like_state
 from typer.testing import CliRunner
 
 from opd_jax.cli import app
@@ -58,16 +58,6 @@ def hashes(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def like_state(run_dir: Path):
-    """A fresh state of the run's config: the tree a checkpoint is restored into."""
-    from opd_jax.core import PPOState, make_optimizer
-    from opd_jax.train import build_critic, build_model
-    config = load_config(run_dir / "config.yaml")
-    policy, _ = build_model(config.model)
-    return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
-                           make_optimizer(config.algorithm.critic_optimizer))
-
-
 def state_of(run_dir: Path, like_dir: Path):
     """The final checkpoint's state and metadata, restored into the shapes of like_dir's config."""
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=3)
@@ -82,8 +72,8 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert strip(read_metrics(a / "metrics.jsonl")) == strip(read_metrics(b / "metrics.jsonl"))
     (x, meta_x), (y, meta_y) = state_of(a, a), state_of(b, a)
     assert meta_x == meta_y and int(x.step) == int(y.step)
-    for u, v in zip(jax.tree.leaves((x.policy, x.critic, x.policy_opt, x.critic_opt)),
-                    jax.tree.leaves((y.policy, y.critic, y.policy_opt, y.critic_opt)), strict=True):
+    for u, v in zip(jax.tree.leaves((x.policy, x.critic, x.policy_opt, x.critic_opt, x.reference)),
+                    jax.tree.leaves((y.policy, y.critic, y.policy_opt, y.critic_opt, y.reference)), strict=True):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 

@@ -8,7 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from train_loop_settings import RESUME_ARGS, TINY
+from train_loop_settings import RESUME_ARGS, TINY, like_state
 
 from opd_jax.config import load_config
 from opd_jax.data import DataError
@@ -71,8 +71,8 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, straight_
     flips = np.mean([r["policy/moe/flip_frac"] for r in rows if "policy/moe/flip_frac" in r])
     assert flips > 0  # the engine's routing reached the step (its weights are perturbed)
     assert f"routing flips {flips:.2%} of token-layers" in run_summary(straight, {})
-    a, meta_a = final_params(straight, _like(straight))
-    b, meta_b = final_params(resumed, _like(straight))
+    a, meta_a = final_params(straight, like_state(straight))
+    b, meta_b = final_params(resumed, like_state(straight))
     assert meta_a == meta_b and int(a.step) == int(b.step) == 6
     for x, y in zip(jax.tree.leaves((a.policy, a.critic, a.policy_opt, a.reference)),
                     jax.tree.leaves((b.policy, b.critic, b.policy_opt, b.reference))):
@@ -83,16 +83,6 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, straight_
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.policy), jax.tree.leaves(a.reference)))
     kl = [r["policy/kl_loss"] for r in rows if "policy/kl_loss" in r]
     assert len(kl) == 5 and kl[0] < 1e-12 and 0 < kl[2] < kl[3] < kl[4], kl
-
-
-def _like(run_dir):
-    """A state of the run's shapes to restore into, rebuilt from its saved config."""
-    from opd_jax.core import PPOState, make_optimizer
-    from opd_jax.train import build_critic, build_model
-    config = load_config(run_dir / "config.yaml")
-    policy, _ = build_model(config.model)
-    return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
-                           make_optimizer(config.algorithm.critic_optimizer), reference=config.algorithm.ppo.kl.enabled)
 
 
 def test_bad_data_and_nan_rewards_stop_the_run(tmp_path):
@@ -124,7 +114,7 @@ def test_a_real_kill_during_a_checkpoint_save_resumes_exactly(tmp_path, straight
     assert not [p for p in (tmp_path / "killed" / "checkpoints").iterdir() if "tmp" in p.name]
     resumed = train(config(tmp_path / "killed", *RESUME_ARGS), resume=True)
     straight = straight_run
-    a, _ = final_params(straight, _like(straight))
-    b, _ = final_params(resumed, _like(straight))
+    a, _ = final_params(straight, like_state(straight))
+    b, _ = final_params(resumed, like_state(straight))
     for x, y in zip(jax.tree.leaves((a.policy, a.critic)), jax.tree.leaves((b.policy, b.critic))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

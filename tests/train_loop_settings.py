@@ -1,4 +1,5 @@
-"""The tiny run the loop tests (and their subprocess workers) share."""
+"""The tiny run the loop tests (and their subprocess workers) share, and the state its checkpoints
+restore into."""
 
 TINY = [
     "model.fresh.hidden_size=64", "model.fresh.intermediate_size=128", "model.fresh.num_layers=2",
@@ -26,3 +27,15 @@ RESUME_ARGS = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_eve
                "model.fresh.family=qwen3_moe", "algorithm.ppo.routing_replay=r3", "rollout.inject_weight_noise=0.1",
                "algorithm.ppo.value_warmup_steps=1", "algorithm.ppo.kl={coef: 0.01, kind: k3, where: loss}",
                "model.fresh.moe={num_experts: 4, experts_per_token: 2, intermediate_size: 32, dense_layers: [0]}"]
+
+
+def like_state(run_dir):
+    """A fresh state of the run's config (policy, critic, optimizers and, with a KL term, the
+    reference): the tree a checkpoint of the run is restored into."""
+    from opd_jax.config import load_config
+    from opd_jax.core import PPOState, make_optimizer
+    from opd_jax.train import build_critic, build_model
+    config = load_config(run_dir / "config.yaml")
+    policy, _ = build_model(config.model)
+    return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
+                           make_optimizer(config.algorithm.critic_optimizer), reference=config.algorithm.ppo.kl.enabled)
