@@ -60,6 +60,7 @@ def test_rl_claims_notebook(tmp_path, monkeypatch):
     assert none["mismatch_abs_logp_diff"] > 0.1 and none["policy/clip_frac_low"] == none["policy/clip_frac_high"] == 0
     assert icepop["policy/weight_zero_frac"] > 0.01 and none["policy/weight_zero_frac"] == 0
     assert summary["kl=off"]["kl"] is None and summary["kl=loss-1e-2"]["kl"] >= 0
+    assert summary["kl=off"]["seeds"] == summary["kl=loss-1e-2"]["seeds"] == 2
     assert (tmp_path / "claim1.png").exists() and (tmp_path / "claim3.png").exists()
 
 
