@@ -55,16 +55,24 @@ def collapse(rows: Sequence[dict[str, float]], eval_metric: str, rule: CollapseS
         start = evals[0][eval_metric]
         out["eval_drop"] = next((int(r["step"]) for r in evals[1:] if r[eval_metric] < start - rule.eval_drop), None)
     grads = [r for r in rows if "policy/grad_norm" in r]
-    norms = [r["policy/grad_norm"] for r in grads]
-    out["grad_blowup"] = next((int(r["step"]) for i, r in enumerate(grads) if i >= 5 and not norms[i]
-                               <= rule.grad_norm_factor * float(np.median(norms[max(0, i - rule.grad_norm_window):i]))),
-                              None)
+    out["grad_blowup"] = _first_spike(grads, rule)
     out["nonfinite"] = next((int(r["step"]) for r in rows if r.get("policy/skipped_nonfinite", 0)
                              or r.get("critic/skipped_nonfinite", 0)), None)
     out["entropy"] = next((int(r["step"]) for r in rows if r.get("policy/entropy", math.inf) < rule.entropy_floor), None)
     found = [s for s in out.values() if s is not None]
     out["any"] = min(found) if found else None
     return out
+
+
+def _first_spike(grads: Sequence[dict[str, float]], rule: CollapseSection) -> int | None:
+    """The first step whose policy/grad_norm exceeds rule.grad_norm_factor × the median of the
+    rule.grad_norm_window norms before it (from the 6th logged step on), or None."""
+    norms = [r["policy/grad_norm"] for r in grads]
+    for i in range(5, len(norms)):
+        recent = float(np.median(norms[max(0, i - rule.grad_norm_window):i]))
+        if not norms[i] <= rule.grad_norm_factor * recent:  # a NaN norm counts as a spike
+            return int(grads[i]["step"])
+    return None
 
 
 def run_summary(rows: Sequence[dict[str, float]], eval_metric: str, metrics: Sequence[str],
