@@ -152,6 +152,24 @@ def test_compiles_once_per_shape_and_across_weight_updates(model):
     assert all(r.weight_version == 3 for r in out)
 
 
+def test_batches_of_five_to_eight_share_one_compiled_variant_and_padding_changes_no_row(model):
+    """A multi-turn run's live episodes shrink turn by turn (32, 30, 27, ...): batches are padded
+    to a power of two, so 5..8 requests compile once, and each request's tokens are those it gets
+    in a batch of its own bucket's size without padding (8 requests)."""
+    prompts = ragged_prompts(np.random.default_rng(10), [2, 7, 4, 9, 3, 5, 6, 8])
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    keys = jax.random.split(jax.random.key(3), len(prompts))
+    sampler = Sampler(model)
+    full = sampler.generate(prompts, params, keys)
+    compiled = sampler.compiled_variants()
+    for n in (5, 6, 7):
+        part = sampler.generate(prompts[:n], params, keys[:n])
+        assert [r.output_ids for r in part] == [r.output_ids for r in full[:n]], n
+        np.testing.assert_allclose([x for r in part for x in r.output_logprobs],
+                                   [x for r in full[:n] for x in r.output_logprobs], atol=1e-5)
+    assert sampler.compiled_variants() == compiled
+
+
 def test_prompt_longer_than_cache_is_a_clear_error(model):
     sampler = Sampler(model, max_cache_len=32)
     with pytest.raises(PromptTooLongError, match="prompt 1 has 30 tokens.*max_new_tokens=8.*38 cache slots.*32"):

@@ -3,7 +3,9 @@
 Prompts are left-padded to a length bucket so every row's next token sits in the same cache
 slot; positions count real tokens only, so a padded row computes exactly what it would alone.
 Generation is a `lax.while_loop` that stops once every row has finished, compiled once per
-(batch, prompt bucket, max_new_tokens, stop-list width) and reused across calls and weight updates.
+(batch bucket, prompt bucket, max_new_tokens, stop-list width) and reused across calls and weight
+updates: a batch is padded to a power of two with rows that stop after one token, so multi-turn
+episodes, whose live count shrinks turn by turn, do not compile a variant per count.
 Each row draws from its own key, fold_in(fold_in(key, row), step), so a request's sample does not
 depend on the rest of the batch.
 """
@@ -211,16 +213,21 @@ class Sampler:
                                        prefix_store=self.prefix_store, prefill_stats=self.prefill_stats)
             return [self.rollout(prompts[i], result, metadata[i]) for i, result in enumerate(done)]
         plan = self._plan(prompts, width, max_new)
+        # padding rows: copies of row 0 that stop after one token, dropped below
+        rows = bucket(B, minimum=1)
+        pad = np.zeros(rows - B, np.int32)
+        padded = per_row + [dataclasses.replace(per_row[0], max_new_tokens=1)] * (rows - B)
         n_stop = bucket(max(len(p.stop_token_ids) for p in per_row) or 1, minimum=4)
-        stop_ids = np.full((B, n_stop), -1, np.int32)
-        for i, p in enumerate(per_row):
+        stop_ids = np.full((rows, n_stop), -1, np.int32)
+        for i, p in enumerate(padded):
             stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
         *out, cache = _generate(
-            self.graphdef, self.state, plan.window.before, *plan.window.arrays(), jnp.asarray(plan.row_of), row_keys,
-            jnp.asarray([p.temperature for p in per_row], jnp.float32),
-            jnp.asarray([p.top_k for p in per_row], jnp.int32),
-            jnp.asarray([p.top_p for p in per_row], jnp.float32), jnp.asarray(stop_ids),
-            jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32), jnp.int32(self.pad_id), max_new=max_new,
+            self.graphdef, self.state, plan.window.before, *plan.window.arrays(),
+            jnp.asarray(np.concatenate([plan.row_of, pad])), jnp.concatenate([row_keys, row_keys[pad]]),
+            jnp.asarray([p.temperature for p in padded], jnp.float32),
+            jnp.asarray([p.top_k for p in padded], jnp.int32),
+            jnp.asarray([p.top_p for p in padded], jnp.float32), jnp.asarray(stop_ids),
+            jnp.asarray([p.max_new_tokens for p in padded], jnp.int32), jnp.int32(self.pad_id), max_new=max_new,
             slots=width + max_new, kv_dtype=self.cache_dtype)
         out_tokens, out_logprobs, lengths, stopped, routing = jax.device_get(out)
         rollouts = [Rollout(prompt_ids=tuple(int(t) for t in prompts[i]),
@@ -237,9 +244,10 @@ class Sampler:
         """The unique prompts (padded to a bucket of rows with copies of the first), each one's
         stored prefix, and what is left to prefill: the window of prompt columns after it."""
         row_of, real = shared_prompts(prompts, share=self.prefix_store is not None)
-        rows = max(len(real), min(len(prompts), bucket(len(real), minimum=1)))
+        rows = bucket(len(real), minimum=1)  # never more than the batch's own bucket
         prefixes = [self.prefix_store.match(p) if self.prefix_store is not None else None for p in real]
-        padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + [None] * (rows - len(real))
+        # padding rows copy the first prompt and its stored prefix, so they widen no window
+        padded, prefixes = real + [real[0]] * (rows - len(real)), prefixes + prefixes[:1] * (rows - len(real))
         window = prefill_window(self.config, self.cache_dtype, padded, prefixes, width, self.pad_id)
         self.prefill_stats.add([len(p) for p in prompts], [(max(0, len(p) - window.width), len(p)) for p in real])
         return _Plan(row_of=row_of, prompts=[list(p) for p in prompts], prefixes=prefixes, window=window)
