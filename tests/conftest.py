@@ -28,18 +28,30 @@ import pytest  # noqa: E402
 # Every executable XLA compiles on the CPU keeps three memory mappings of its code and data until
 # it is dropped, and a pytest-xdist worker compiles thousands: past the kernel's vm.max_map_count
 # (65530 by default) the next compile aborts or segfaults the worker, at whatever test it
-# reaches, and under --dist loadgroup the session then waits forever (pytest-xdist #1323).
-# Dropping the compiled functions returns the mappings; tests recompile what they need.
+# reaches, and under --dist loadgroup the session then waits forever (pytest-xdist #1323). The
+# compiled code is memory too, beside a notebook or a server the other worker runs, and a worker
+# killed for memory leaves no message either. Dropping the compiled functions returns both; tests
+# recompile what they need (a module's tests share their shapes, modules seldom do).
 _MAPS = Path("/proc/self/maps")
 _MAX_MAPS = 12000
+
+
+def _drop_compiled_code() -> None:
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
 def _bounded_compiled_code():
     yield
     if _MAPS.exists() and sum(1 for _ in _MAPS.open()) > _MAX_MAPS:
-        jax.clear_caches()
-        gc.collect()
+        _drop_compiled_code()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_code_of_one_module():
+    yield
+    _drop_compiled_code()
 
 
 @pytest.fixture(scope="session")
