@@ -161,6 +161,11 @@ def test_resume_with_a_changed_config_keeps_the_config_history(straight, tmp_pat
         (run_dir / "config_history" / "2.yaml").read_bytes()
     saved = lambda files: {k: v for k, v in files.items() if "checkpoints/" in k and "orbax.log" not in k}  # noqa: E731
     assert saved(hashes(run_dir)) == saved(before)
+    # the KL term turned off: its reference is in the checkpoint, and the error says why it matters
+    off = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "algorithm.ppo.kl.coef=0.0")
+    one_line_error(off, "checkpoint step 8 does not fit this config", "the KL term was turned off",
+                   "algorithm.ppo.kl.coef 0.01 -> 0.0", "keep it on", started=True)
+    assert saved(hashes(run_dir)) == saved(before)
 
 
 # -- faults ------------------------------------------------------------------------------------

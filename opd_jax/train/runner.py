@@ -230,6 +230,11 @@ def _changed_since(config: Any, directory: RunDirectory) -> str:
     previous = directory.previous_config()
     changes = config_changes(previous, config) if previous is not None else {}
     fixed = fixed_on_resume(changes, type(config).resume_fixed)
+    kl = changes.get("algorithm.ppo.kl.coef")
+    if kl is not None and bool(kl[0]) != bool(kl[1]):  # a coefficient's size may change; zero or not may not
+        return (f"; the KL term was turned {'on' if kl[1] else 'off'} since it was saved (algorithm.ppo.kl.coef "
+                f"{kl[0]!r} -> {kl[1]!r}), and a run holds its frozen reference policy (the policy as RL began) "
+                f"only while the term is on: keep it {'off' if kl[1] else 'on'}, or start a new run")
     if not fixed:
         return " (the model or its optimizer changed since the run started)"
     shown = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in fixed)
