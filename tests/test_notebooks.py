@@ -47,11 +47,11 @@ def test_mismatch_notebook(tmp_path, monkeypatch):
 
 
 def test_rl_claims_notebook(tmp_path, monkeypatch):
-    """The three claim sweeps at test size (2 seeds, 2 steps, a few cells): a learning rate is
+    """The claim sweeps at test size (2 seeds, 2 steps, a few cells): a learning rate is
     chosen from the validation runs; in the bypass mode θ_old is the engine, so its Δlogp reads 0
     and the mismatch lands in PPO's clip instead (phantom clipping), where recompute clips nothing
     on its one update; IcePop gives weight 0 to the tokens outside its band; the KL to the reference
-    is measured only where it is on."""
+    is measured only where it is on; claim 2's methods share each seed's warm start."""
     summary = run_notebook("rl_claims", tmp_path, monkeypatch)
     assert summary["lr"]["chosen"] in (1e-4, 4e-4) and set(summary["lr"]["means"]) == {"0.0001", "0.0004"}
     bypass, none, icepop = (summary[f"inject_weight_noise=1.0,correction={c}"] for c in ("bypass-none", "none", "icepop"))
@@ -61,7 +61,12 @@ def test_rl_claims_notebook(tmp_path, monkeypatch):
     assert icepop["policy/weight_zero_frac"] > 0.01 and none["policy/weight_zero_frac"] == 0
     assert summary["kl=off"]["kl"] is None and summary["kl=loss-1e-2"]["kl"] >= 0
     assert summary["kl=off"]["seeds"] == summary["kl=loss-1e-2"]["seeds"] == 2
-    assert (tmp_path / "claim1.png").exists() and (tmp_path / "claim3.png").exists()
+    # claim 2: the rate step kept 1e-4 only; a seed's methods start from its one warm start
+    assert summary["critic_lr"] == {"critic": 1e-4, "grpo": 1e-4}
+    critic, grpo = summary["claim2=critic"], summary["claim2=grpo"]
+    assert critic["seeds"] == grpo["seeds"] == 2 and critic["first"] == grpo["first"]
+    assert all(0 <= cell[k] <= 1 for cell in (critic, grpo) for k in ("first", "final", "best"))
+    assert all((tmp_path / f"claim{i}.png").exists() for i in (1, 2, 3))
 
 
 def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
