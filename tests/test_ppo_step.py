@@ -205,6 +205,12 @@ def test_value_warmup_trains_only_the_critic_first():
     assert float(m2["policy/trained"]) == 1.0
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(second.policy), jax.tree.leaves(first.policy)))
+    # a critic-free estimator has no critic to warm: its policy trains from the first step
+    free = functools.partial(ppo_step, config=PPOConfig(advantage="grpo", value_warmup_steps=5), group_size=4)
+    trained, m3 = jax.jit(free)(state, batch)
+    assert float(m3["policy/trained"]) == 1.0
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(trained.policy), jax.tree.leaves(state.policy)))
 
 
 def test_bf16_compute_keeps_f32_master_weights_and_tracks_the_f32_update():

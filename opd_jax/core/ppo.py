@@ -13,7 +13,8 @@ the critic (clipped value loss), with gradients summed over `microbatches` micro
 update equals the mini-batch's exactly (`config.update`; mini-batch j holds rows j, j+M, j+2M,
 ..., see `opd_jax.core.update`). An update whose gradients are not finite is skipped
 (params and optimizer state kept) and counted in the metrics. During the first
-`value_warmup_steps` steps only the critic trains (VAPO's value pretraining).
+`value_warmup_steps` steps only the critic trains (VAPO's value pretraining); a critic-free
+estimator has none to warm, and its policy trains from the first step.
 
 Nothing here jits or shards: the caller jits `functools.partial(ppo_step, config=...,
 group_size=..., temperature=...)` with the shardings from `opd_jax.parallel` and donates the
@@ -128,7 +129,7 @@ class PPOConfig:
     update: UpdateConfig = UpdateConfig()
     """Epochs, mini-batches and micro-batches of each step (shared with OPD)."""
     value_warmup_steps: int = 0
-    """Steps at the start that train only the critic (VAPO's value pretraining)."""
+    """Steps at the start that train only the critic (VAPO's value pretraining); none for a critic-free advantage."""
     router_balance_coef: float = 0.0
     """MoE: weight of the load-balancing loss E·Σ f_e·P_e (transformers' formulation); off for RL, as slime."""
     router_z_coef: float = 0.0
@@ -382,7 +383,9 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
                          f"got {group_size}, {temperature}")
     config.check_batch_size(batch.tokens.shape[0], group_size)
     targets, stats = _targets(batch, config, group_size)
-    train_policy = state.step >= config.value_warmup_steps
+    # the warm-up trains the critic alone: with no critic there is nothing to warm, and the
+    # policy trains from the first step (a critic-free run of a config that sets it lost those steps)
+    train_policy = state.step >= (config.value_warmup_steps if config.uses_critic else 0)
 
     def update(carry, mb: _PPOTargets):
         policy, policy_opt, critic, critic_opt = carry
