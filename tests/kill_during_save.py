@@ -1,7 +1,7 @@
 """Runs the loop test's tiny config and SIGKILLs itself in the middle of saving the step-4
 checkpoint (orbax has written the step's files under their temporary name; it has not committed them).
 
-usage: python kill_during_save.py RUN_DIR
+usage: python kill_during_save.py RUN_DIR [OVERRIDE ...]   (overrides after the loop test's own)
 """
 
 import os
@@ -25,4 +25,4 @@ from opd_jax.train import train  # noqa: E402
 
 run_dir = Path(sys.argv[1])
 during_save(4, lambda: os.kill(os.getpid(), signal.SIGKILL))
-train(load_config(None, [*TINY, f"logging.run_dir={run_dir}", *RESUME_ARGS]))
+train(load_config(None, [*TINY, f"logging.run_dir={run_dir}", *RESUME_ARGS, *sys.argv[2:]]))

@@ -340,3 +340,37 @@ def test_plan_from_an_experts_run(tmp_path, models):
     assert plan.routes == {"max": 0, "parity": 1} and set(plan.experts) == {"max"}
     with pytest.raises(MergeError, match="mix names chess, which are not teachers"):
         resolve_plan(load_config(None, [f"experts_dir={root}", "mix={chess: 1.0}"], schema=MergeConfig))
+
+
+def test_lora_experts_share_one_base_and_score_as_their_merged_exports(models, tmp_path):
+    """Three LoRA experts exported on one base (merged weights + adapter/ naming the base): the
+    local teachers hold the base once and the three adapters, and score each row as the merged
+    export of its expert does."""
+    from opd_jax.merge.plan import TeacherSpec
+    from opd_jax.merge.teachers import load_local_teachers
+    from opd_jax.models import export_model
+    from opd_jax.models.lora import LoraConfig
+
+    base_dir = models / "student"
+    for seed, domain in enumerate(DOMAINS, start=1):
+        expert, _ = load_model(base_dir)
+        expert.add_lora(LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "down_proj")), nnx.Rngs(seed))
+        for name, var in vars(expert.backbone.layers).items():
+            if name.endswith("_lora_b"):  # trained adapters: non-zero B
+                var[...] = 0.3 * jax.random.normal(jax.random.key(seed), var[...].shape)
+        export_model(expert, tmp_path / domain, TOKENIZER, base_model=str(base_dir))
+    specs = [TeacherSpec(name=d, path=tmp_path / d, domains=(d,)) for d in DOMAINS]
+    adapted = [model for model, _ in load_local_teachers(specs, "float32")]
+    assert all(m.config.lora is not None for m in adapted)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    shared = LocalTeachers(list(DOMAINS), adapted, mesh, loss="top_k", top_k=4, temperature=0.7)
+    merged = LocalTeachers(list(DOMAINS), [load_model(tmp_path / d)[0] for d in DOMAINS], mesh, loss="top_k",
+                           top_k=4, temperature=0.7)
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(load_model(base_dir)[0], nnx.Param)))
+    assert merged.nbytes == 3 * base_bytes
+    assert base_bytes < shared.nbytes < 1.2 * base_bytes  # one base + three rank-2 adapters
+    batch = ragged_batch(7)
+    index = np.asarray([2, 0, 1, 2, 0, 1, 2])
+    ours, reference = shared.score(batch, index), merged.score(batch, index)
+    for name in reference:
+        np.testing.assert_allclose(ours[name], reference[name], atol=2e-5, err_msg=name)

@@ -124,3 +124,38 @@ def test_bad_input_and_a_failed_expert_are_named(tmp_path):
     for kept in ("addition", "parity"):
         assert (run_dir / "experts" / "experts" / kept / "expert.json").exists()
     assert not (run_dir / "merge").exists()
+
+
+def test_lora_experts_are_adapters_on_one_base_and_the_merge_holds_that_base_once(tmp_path):
+    """`expert.model.lora`: every expert trains an adapter on the shared base (its warm start and
+    its RL; the base's weights untouched) and exports it in PEFT's format naming the base beside
+    its merged weights; the merge's teachers hold the base once and the three adapters."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from opd_jax.merge.experts import base_dir, expert_dir
+    from opd_jax.models import load_model
+    from opd_jax.models.adapter_io import load_adapter
+
+    done = run(tmp_path, "expert.model.lora={rank: 2, alpha: 4, targets: [q_proj, v_proj, up_proj]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    base, _ = load_model(base_dir(tmp_path / "experts") / "model")
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(base, nnx.Param)))
+    for domain in ("addition", "max", "parity"):
+        export = expert_dir(tmp_path / "experts", domain) / "hf_policy"
+        adapter = json.loads((export / "adapter" / "adapter_config.json").read_text())
+        assert Path(adapter["base_model_name_or_path"]) == (base_dir(tmp_path / "experts") / "model").resolve()
+        assert adapter["target_modules"] == ["q_proj", "v_proj", "up_proj"] and adapter["r"] == 2
+        merged, _ = load_model(export)
+        adapted = load_adapter(load_model(base_dir(tmp_path / "experts") / "model")[0], export / "adapter")
+        tokens = np.arange(1, 13, dtype=np.int32)[None]
+        np.testing.assert_allclose(np.asarray(adapted(tokens)), np.asarray(merged(tokens)), atol=1e-4)
+        # only the adapted projections differ from the base: the rest was frozen
+        for name in ("k", "o", "down", "attn_norm"):
+            np.testing.assert_array_equal(np.asarray(getattr(merged.backbone.layers, name)[...]),
+                                          np.asarray(getattr(base.backbone.layers, name)[...]))
+        assert np.abs(np.asarray(merged.backbone.layers.q[...]) - np.asarray(base.backbone.layers.q[...])).max() > 0
+    report = json.loads((tmp_path / "merge" / "report.json").read_text())
+    assert base_bytes < report["teachers_gib"] * 2**30 < 1.5 * base_bytes  # one base + three rank-2 adapters
+    assert set(report["domains"]) == {"addition", "max", "parity"}

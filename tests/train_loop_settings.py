@@ -31,11 +31,14 @@ RESUME_ARGS = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_eve
 
 def like_state(run_dir):
     """A fresh state of the run's config (policy, critic, optimizers and, with a KL term, the
-    reference): the tree a checkpoint of the run is restored into."""
+    reference; with LoRA, the adapters): the tree a checkpoint of the run is restored into."""
     from opd_jax.config import load_config
     from opd_jax.core import PPOState, make_optimizer
     from opd_jax.train import build_critic, build_model
     config = load_config(run_dir / "config.yaml")
     policy, _ = build_model(config.model)
+    if config.model.lora is not None:
+        from flax import nnx
+        policy.add_lora(config.model.lora.spec(), nnx.Rngs(config.seed))
     return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
                            make_optimizer(config.algorithm.critic_optimizer), reference=config.algorithm.ppo.kl.enabled)

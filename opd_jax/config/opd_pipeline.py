@@ -62,6 +62,17 @@ def _check_named_sources(named: dict[str, list[SourceSpec]], kind: str) -> None:
             raise ValueError(f"{kind} {name!r} has no data source: give it at least one (e.g. [{{builtin: addition}}])")
 
 
+def _expert_model_is_the_base(data: Any) -> Any:
+    """`expert.model` may hold only what the experts add to the base (lora, dtype): its path is set
+    to the base per expert, so a section naming neither path nor fresh is completed here."""
+    if not isinstance(data, dict) or not isinstance(data.get("expert"), dict):
+        return data
+    model = data["expert"].get("model")
+    if isinstance(model, dict) and "path" not in model and "fresh" not in model:
+        return {**data, "expert": {**data["expert"], "model": {**model, "fresh": {}}}}
+    return data
+
+
 class ExpertsConfig(Section):
     """`opd-jax experts`: the base, then each expert trained by the RL loop on its own prompts.
     `expert` holds everything the expert runs share (steps, rollout, algorithm, an optional
@@ -73,11 +84,16 @@ class ExpertsConfig(Section):
     base: BaseSection = BaseSection()
     """The shared base."""
     expert: TrainConfig = TrainConfig()
-    """The training config every expert shares (its model, data.train and run_dir are set per expert)."""
+    """The training config every expert shares (its model, data.train and run_dir are set per expert; expert.model.lora: each expert an adapter on the base)."""  # noqa: E501
     experts: dict[str, list[SourceSpec]] = Field(min_length=1)
     """Expert name → its prompt sources."""
     launch: JobsSection = JobsSection()
     """How the expert jobs are run."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expert_model(cls, data: Any) -> Any:
+        return _expert_model_is_the_base(data)
 
     @model_validator(mode="after")
     def _names(self) -> ExpertsConfig:
@@ -291,7 +307,7 @@ class RecipeConfig(Section):
     base: BaseSection = BaseSection()
     """The shared base."""
     expert: TrainConfig = TrainConfig()
-    """The training config every expert shares (its model, data.train and run_dir are set per domain)."""
+    """The training config every expert shares (its model, data.train and run_dir are set per domain; expert.model.lora: each expert an adapter on the base)."""  # noqa: E501
     launch: JobsSection = JobsSection()
     """How the expert jobs are run."""
     merge: MergeConfig
@@ -302,6 +318,7 @@ class RecipeConfig(Section):
     def _merge_inside_run_dir(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        data = _expert_model_is_the_base(data)
         run_dir = str(data.get("run_dir", cls.model_fields["run_dir"].default))
         merge = dict(data.get("merge") or {})
         logging = dict(merge.get("logging") or {})

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opd_jax.core import OptimizerConfig, PPOConfig
 from opd_jax.data.domains import get_domain
 from opd_jax.models.config import Family
+from opd_jax.models.lora import ALL_LINEAR, MODULES, LoraConfig
 from opd_jax.parallel import DistributedConfig, MeshConfig
 from opd_jax.rewards.verifiers import VerifierName
 
@@ -88,6 +89,36 @@ class FreshModel(Section):
         return self
 
 
+class LoraSection(Section):
+    """Low-rank adapters (LoRA): the model is a frozen base and every phase of the command (a
+    warm start included) trains only the adapters, whose optimizer state is all the optimizer
+    holds (a critic trains its own adapters and value head). B starts at zero, so training starts
+    from the base's function. Meant for a trained base (model.path): on model.fresh the base stays
+    at its random initialisation. Exports write the merged model and, in hf_policy/adapter, the
+    adapters in PEFT's format."""
+
+    rank: int = Field(8, gt=0)
+    """r: the adapters' inner dimension."""
+    alpha: float = Field(16.0, gt=0)
+    """α: the update is scaled by α/r."""
+    targets: Literal["all-linear"] | list[str] = "all-linear"
+    """PEFT module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; an MLP name covers a MoE model's shared and routed experts too), or all-linear: all seven."""  # noqa: E501
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, targets: str | list[str]) -> str | list[str]:
+        if targets != ALL_LINEAR:
+            if not targets:
+                raise ValueError(f"empty: name at least one module, or {ALL_LINEAR}")
+            LoraConfig(rank=1, alpha=1.0, targets=tuple(targets))  # ValueError naming an unknown one
+        return targets
+
+    def spec(self) -> LoraConfig:
+        """The adapters as the model builds them."""
+        targets = tuple(MODULES) if self.targets == ALL_LINEAR else tuple(self.targets)
+        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets)
+
+
 class ModelSection(Section):
     """The policy: exactly one of `path` and `fresh`."""
 
@@ -101,6 +132,8 @@ class ModelSection(Section):
     """Precision of the trainer's activations; unset: the parameters' dtype. float16: the updates use a dynamic loss scale (jmp; 2^15 at first, halved on an overflow, whose update is skipped and counted, doubled after 2000 finite ones)."""  # noqa: E501
     critic_head_init: Literal["zero", "small"] = "small"
     """Initial value head of the critic: all zeros, or small random weights."""
+    lora: LoraSection | None = None
+    """Train low-rank adapters on a frozen base instead of every weight (unset: full fine-tuning)."""
 
     @model_validator(mode="after")
     def _one_source(self):

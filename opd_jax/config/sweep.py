@@ -73,7 +73,8 @@ class SweepConfig(Section):
     """per_run: every run does the base config's supervised warm start itself. shared: each distinct
     warm start (same model, data, sft settings and seed) runs once (`opd-jax sft`, in
     <out>/_warm_start/) and the runs that need it start from its model: paid once per seed, and
-    cells that differ only in RL settings start from the same policy."""
+    cells that differ only in RL settings start from the same policy. A shared warm start trains
+    every weight (it makes the base): a cell with model.lora puts its adapters on it for RL."""
     out: Path | None = None
     """Where the runs and the results go (default: runs/sweeps/<sweep file's name>)."""
 

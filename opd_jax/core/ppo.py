@@ -60,6 +60,7 @@ from opd_jax.core.update import (
     map_rows,
     run_updates,
     summed_loss,
+    trainable,
 )
 from opd_jax.models import Decoder, ValueModel
 
@@ -204,8 +205,8 @@ class PPOState:
         # a copy, not the same buffers: the step donates the state, policy and reference alike
         frozen = jax.tree.map(jnp.copy, policy_params) if reference else None
         return cls(step=jnp.zeros((), jnp.int32), policy=policy_params, critic=critic_params,
-                   policy_opt=policy_tx.init(policy_params),
-                   critic_opt=None if critic is None else critic_tx.init(critic_params),
+                   policy_opt=policy_tx.init(trainable(policy_params)),
+                   critic_opt=None if critic is None else critic_tx.init(trainable(critic_params)),
                    policy_def=policy_def, critic_def=critic_def, policy_tx=policy_tx,
                    critic_tx=None if critic is None else critic_tx, reference=frozen)
 

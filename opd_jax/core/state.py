@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from opd_jax.core.update import trainable
 from opd_jax.models import Decoder
 
 
@@ -24,7 +25,7 @@ class PolicyState:
     @classmethod
     def create(cls, model: Decoder, tx: optax.GradientTransformation) -> PolicyState:
         graphdef, params = nnx.split(model, nnx.Param)
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(params), graphdef=graphdef, tx=tx)
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(trainable(params)), graphdef=graphdef, tx=tx)
 
     def model(self) -> Decoder:
         return nnx.merge(self.graphdef, self.params)

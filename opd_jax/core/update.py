@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 import optax
+from flax import nnx
 
 from opd_jax.core.metrics import Metrics, Summed, combine_microbatches, combine_updates
 from opd_jax.core.mismatch import MismatchCorrection, mismatch_metrics
@@ -96,6 +97,33 @@ def scan_or_call(body: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: An
     return carry, jax.tree.map(lambda y: y[None], out)
 
 
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _trains(path: tuple, x: Any) -> bool:
+    # with adapters on, a critic's value head trains beside them (PEFT's modules_to_save)
+    return isinstance(x, nnx.LoRAParam) or path[-1] in ("value_head", "value_bias")
+
+
+def split_trainable(params: Any) -> tuple[Any, Any]:
+    """(what a step trains, the frozen rest): a model with LoRA adapters trains only its adapters
+    (and a critic its value head), its base frozen; any other model trains everything (rest None).
+    Gradients, optimizer state and updates cover the first part only."""
+    adapted = isinstance(params, nnx.State) and any(
+        isinstance(x, nnx.LoRAParam) for x in jax.tree.leaves(params, is_leaf=_is_variable))
+    return nnx.split_state(params, _trains, ...) if adapted else (params, None)
+
+
+def trainable(params: Any) -> Any:
+    """The part of `params` a step trains (`split_trainable`): what an optimizer is initialised on."""
+    return split_trainable(params)[0]
+
+
+def _joined(trained: Any, frozen: Any) -> Any:
+    return trained if frozen is None else nnx.merge_state(trained, frozen)
+
+
 def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]], params: Any,
                      targets: Any, microbatches: int, mask: Callable[[Any], jax.Array],
                      loss_scale: jmp.LossScale = jmp.NoOpLossScale()) -> tuple[Any, dict[str, jax.Array]]:
@@ -103,9 +131,12 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, ja
     and the slices' metrics combined by `combine_microbatches` (token counts from `mask(slice)`,
     [rows, T]). loss_fn must already divide by the whole batch's normalizer, so the sum is the
     batch gradient (times the loss scale of a float16 model's optimizer: `loss_scale_of`, which
-    `apply_update` divides out)."""
+    `apply_update` divides out). The gradient covers the trainable part of params only
+    (`split_trainable`)."""
+    params, frozen = split_trainable(params)
+
     def scaled(p, t):
-        loss, metrics = loss_fn(p, t)
+        loss, metrics = loss_fn(_joined(p, frozen), t)
         return loss_scale.scale(loss), metrics
 
     grad_fn = jax.grad(scaled, has_aux=True)
@@ -127,7 +158,9 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
                  ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One optimizer update, skipped (params and optimizer state kept) when any gradient is NaN/inf.
     A loss-scaled optimizer's gradients (`optim.loss_scaled`) are divided by its scale first; an
-    overflow halves the scale, and 2000 finite updates in a row double it (jmp)."""
+    overflow halves the scale, and 2000 finite updates in a row double it (jmp). grads and
+    opt_state cover the trainable part of params (`split_trainable`); the rest is kept as it is."""
+    params, frozen = split_trainable(params)
     scale = loss_scale_of(opt_state)
     grads = scale.unscale(grads)
     grad_norm = optax.tree.norm(grads)
@@ -141,7 +174,7 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
         adjusted = scale.adjust(finite)
         new_opt = new_opt._replace(loss_scale=adjusted.loss_scale, finite_updates=adjusted.counter)
         metrics["loss_scale"] = scale.loss_scale
-    return keep(new_params, params), new_opt, metrics
+    return _joined(keep(new_params, params), frozen), new_opt, metrics
 
 
 def run_updates(update: Callable[[Any, Any], tuple[Any, Metrics]], carry: Any, targets: Any, config: UpdateConfig

@@ -37,12 +37,13 @@ from opd_jax.merge.report import write_report
 from opd_jax.merge.routing import teacher_indices
 from opd_jax.merge.teacher_samples import TeacherPool, draw_pool, pool_rows, pool_step, write_pool
 from opd_jax.merge.teachers import Teachers, build_teachers
-from opd_jax.models import Decoder, save_model
+from opd_jax.models import Decoder, export_model
 from opd_jax.models.grow import grow
 from opd_jax.train import (
     WARM_UP,
     SupervisedTask,
     Task,
+    add_configured_adapters,
     build_model,
     check_run_inputs,
     checkpoint_steps,
@@ -95,6 +96,7 @@ class OPDTask(Task):
         if growth.num_layers or growth.intermediate_size:
             self.policy = grow(self.policy, num_layers=growth.num_layers, intermediate_size=growth.intermediate_size,
                                noise=growth.noise, seed=self.config.seed)
+        self.policy = add_configured_adapters(self.policy, self.plan.student, self.config.seed)  # a LoRA student
         timed = {}
         if self.config.teacher_samples.enabled:
             began = time.perf_counter()
@@ -192,9 +194,10 @@ class OPDTask(Task):
 
     def finish(self, state: PolicyState, run_dir: Path, phases: dict[str, float]) -> None:
         began = time.perf_counter()
-        save_model(state.model(), run_dir / "student", self.tokenizer)
+        export_model(state.model(), run_dir / "student", self.tokenizer, base_model=self.plan.student.path)
         phases["export"] = time.perf_counter() - began
-        write_report(self.config, self.plan, state.model(), self.tokenizer, phases, run_dir)
+        write_report(self.config, self.plan, state.model(), self.tokenizer, phases, run_dir,
+                     teachers_bytes=getattr(self.teachers, "nbytes", None))
 
     def close(self) -> None:
         if self.teachers is not None:

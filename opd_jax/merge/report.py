@@ -5,7 +5,8 @@ prompts, greedy, same engine precision and verifiers), plus the wall time of eve
 report.json: {"domains": {name: {"base", "expert", "student", "weight_average", "task_arithmetic"}},
               "mean": {column: mean over domains}, "student_over_expert": {name: ratio},
               "task_arithmetic_scale": λ, "wall_time_s": {phase: seconds}, the merge's settings
-              (loss, divergence, balance, grow, teacher_samples, student_parameters), ...}
+              (loss, divergence, balance, grow, teacher_samples, student_parameters), teachers_gib
+              (what local teachers held: LoRA experts on one base hold it once), ...}
 report.md: the same as a table.
 """
 
@@ -132,8 +133,11 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def write_report(config: MergeConfig, plan: MergePlan, student: Decoder, tokenizer: Tokenizer,
-                 phases: dict[str, float], run_dir: Path) -> dict[str, Any]:
-    report = build_report(config, plan, student, tokenizer, phases)
+                 phases: dict[str, float], run_dir: Path, *, teachers_bytes: int | None = None) -> dict[str, Any]:
+    """report.json and report.md; `teachers_bytes`: what local teachers held on the mesh (None:
+    served elsewhere), reported as teachers_gib."""
+    report = {**build_report(config, plan, student, tokenizer, phases),
+              "teachers_gib": None if teachers_bytes is None else teachers_bytes / 2**30}
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     (run_dir / "report.md").write_text(markdown_table(report))
     return report

@@ -6,6 +6,7 @@ can reach training, with the teacher named when it is not."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from opd_jax.config.opd_pipeline import TeachersSection
 from opd_jax.core import OPDConfig, RolloutBatch, teacher_scores
@@ -24,6 +25,8 @@ from opd_jax.errors import OpdJaxError
 from opd_jax.merge.plan import TeacherSpec
 from opd_jax.merge.routing import check_teacher_compatible
 from opd_jax.models import Decoder, ModelConfig, ModelFormatError, Tokenizer, load_model
+from opd_jax.models.adapter_io import load_adapter
+from opd_jax.models.weights import build_from_params
 from opd_jax.parallel import DEFAULT_RULES, batch_shardings, batch_shards, shard, tree_shardings, under_mesh
 from opd_jax.train import sglang_engine
 from rollout_bridge.pipe import EngineThread
@@ -45,6 +48,40 @@ def load_teacher(name: str, path: str | Path, dtype: str, *, weights: bool = Tru
         return ModelConfig.from_json(path / "config.json"), Tokenizer.from_dir(path)
     except (ModelFormatError, ValueError, OSError, KeyError) as e:
         raise TeacherError(f"teacher {name!r}: the checkpoint at {path} will not load: {e}") from None
+
+
+def load_local_teachers(specs: Sequence[TeacherSpec], dtype: str) -> list[tuple[Decoder, Tokenizer | None]]:
+    """Each teacher's model and tokenizer. A LoRA expert (its export holds adapter/, in PEFT's
+    format, whose base is a directory) is its base plus its adapter, and experts on one base share
+    that base's arrays: ten LoRA experts hold one base and ten adapters."""
+    bases: dict[Path, tuple[Decoder, Tokenizer | None]] = {}
+    out = []
+    for spec in specs:
+        adapter = Path(spec.path) / "adapter"
+        base_path = _adapter_base(adapter)
+        if base_path is None:
+            out.append(load_teacher(spec.name, spec.path, dtype))
+            continue
+        if base_path not in bases:
+            bases[base_path] = load_teacher(spec.name, base_path, dtype)
+        base, tokenizer = bases[base_path]
+        pure = nnx.to_pure_dict(nnx.state(base, nnx.Param))  # the base's arrays, not copies
+        model = build_from_params(Decoder, base.config, pure, compute_dtype=base.backbone.compute_dtype)
+        try:
+            out.append((load_adapter(model, adapter), tokenizer))
+        except ModelFormatError as e:
+            raise TeacherError(f"teacher {spec.name!r}: its adapter will not load: {e}") from None
+    return out
+
+
+def _adapter_base(adapter: Path) -> Path | None:
+    """The base directory a PEFT adapter directory names, or None (no adapter, or its base is not a
+    directory here: the export's merged weights are used instead)."""
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return Path(base).resolve() if isinstance(base, str) and (Path(base) / "config.json").exists() else None
 
 
 def _check_scores(name: str, rows: np.ndarray, scores: dict[str, np.ndarray], mask: np.ndarray) -> None:
@@ -98,10 +135,21 @@ class LocalTeachers:
         self.mesh, self.rules = mesh, rules
         self.options = {"loss": loss, "top_k": top_k, "temperature": temperature, "microbatches": microbatches}
         self._graphdefs, self._params = [], []
+        placed: dict[int, jax.Array] = {}  # id(array) -> its placement: teachers sharing a base hold it once
+
+        def place(sharding: Any, variable: Any) -> Any:
+            def once(x: jax.Array) -> jax.Array:
+                if id(x) not in placed:
+                    placed[id(x)] = shard(x, sharding)
+                return placed[id(x)]
+            return jax.tree.map(once, variable)
+
         for model in models:
             graphdef, params = nnx.split(model, nnx.Param)
             self._graphdefs.append(graphdef)
-            self._params.append(shard(params, tree_shardings(params, mesh, rules)))
+            self._params.append(jax.tree.map(place, tree_shardings(params, mesh, rules), params,
+                                             is_leaf=lambda x: isinstance(x, NamedSharding)))
+        self.nbytes = sum(x.nbytes for x in placed.values())  # what the teachers hold on the mesh
         self._granule = math.lcm(batch_shards(mesh, rules), microbatches)
         self._vocab = models[0].config.vocab_size
         self._call = under_mesh(_score, mesh, rules)
@@ -179,8 +227,7 @@ def build_teachers(specs: Sequence[TeacherSpec], section: TeachersSection, stude
     are launched (or reached at their URLs) and must answer."""
     if section.engine == "local":
         models = []
-        for spec in specs:
-            model, teacher_tokenizer = load_teacher(spec.name, spec.path, section.dtype)
+        for spec, (model, teacher_tokenizer) in zip(specs, load_local_teachers(specs, section.dtype)):
             check_teacher_compatible(spec.name, model.config.vocab_size, teacher_tokenizer, student.config.vocab_size,
                                      tokenizer)
             models.append(model)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opd_jax.errors import OpdJaxError
+from opd_jax.models.lora import LoraConfig
 from opd_jax.models.moe import MoEConfig
 
 # the families, once: each with its Hugging Face architecture name (a new family starts here)
@@ -74,6 +75,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0  # the fraction of head_dim the rotary embedding turns (GLM-4.5: 0.5)
     moe: MoEConfig | None = None  # the experts of a MoE family (None: a dense model)
+    lora: LoraConfig | None = None  # low-rank adapters on the projections (None: none); not part of config.json
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

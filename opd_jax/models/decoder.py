@@ -12,6 +12,7 @@ plain forward (slots = the T input tokens), a prefill into a KV cache, and one-t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.lora import LoraConfig, add_adapters, base_name, merge_adapters, project
 from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -130,9 +132,13 @@ _MOE_MLP = ("router", "router_bias", "expert_gate", "expert_up", "expert_down", 
             "shared_down")
 
 
-def _dense_mlp(h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    gated = jax.nn.silu(jnp.einsum("bth,hi->bti", h, w["gate"])) * jnp.einsum("bth,hi->bti", h, w["up"])
-    return jnp.einsum("bti,ih->bth", gated, w["down"])
+def _lora_scale(config: ModelConfig) -> float:
+    return 1.0 if config.lora is None else config.lora.scale
+
+
+def _dense_mlp(h: jax.Array, w: dict[str, jax.Array], scale: float = 1.0) -> jax.Array:
+    gated = jax.nn.silu(project("bth,hi->bti", h, w, "gate", scale)) * project("bth,hi->bti", h, w, "up", scale)
+    return project("bti,ih->bth", gated, w, "down", scale)
 
 
 def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced: jax.Array | None,
@@ -142,6 +148,7 @@ def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced:
     forced: an engine's expert ids [B, T, k] (-1 where it has none): used where replay [B, T]
     is set (routing replay), and compared with this model's own choice (the flip fraction)."""
     B, T, H = h.shape
+    w = merge_adapters(w, _lora_scale(config))  # the ragged expert matmuls take whole weights
     flat = h.reshape(B * T, H)
     logits = jnp.einsum("nh,he->ne", flat.astype(jnp.float32), w["router"].astype(jnp.float32))
     ids, gates = route(logits, config.moe, w.get("router_bias"))
@@ -229,9 +236,8 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
     are attended over, as the cache holds them (`_cache_attention`)."""
     dt = x.dtype
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
-    q = jnp.einsum("bth,hnd->btnd", h, w["q"])
-    k = jnp.einsum("bth,hnd->btnd", h, w["k"])
-    v = jnp.einsum("bth,hnd->btnd", h, w["v"])
+    scale = _lora_scale(config)
+    q, k, v = (project("bth,hnd->btnd", h, w, name, scale) for name in ("q", "k", "v"))
     if config.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if config.qk_norm:
@@ -264,7 +270,7 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
         attn = _cache_attention(q, cache_kv, layer, allowed, jnp.max(write_at) + q.shape[1], dt)
     else:
         attn = _attention(q, k, v, allowed)
-    out = jnp.einsum("btnd,ndh->bth", attn, w["o"])
+    out = project("btnd,ndh->bth", attn, w, "o", scale)
     if config.o_bias:
         out = out + w["o_bias"]
     return x + out, cache_kv
@@ -368,9 +374,9 @@ class Backbone(nnx.Module):
         x = self.embed[...].astype(dt)[tokens]
         inv_freq = jnp.asarray(inverse_frequencies(config))
         params = self.layers.arrays()
-        attention = {k: v for k, v in params.items() if k not in _DENSE_MLP + _MOE_MLP}
-        mlp = {"dense": {k: params[k] for k in _DENSE_MLP if k in params},
-               "moe": {k: params[k] for k in _MOE_MLP if k in params}}
+        attention = {k: v for k, v in params.items() if base_name(k) not in _DENSE_MLP + _MOE_MLP}
+        mlp = {"dense": {k: v for k, v in params.items() if base_name(k) in _DENSE_MLP},
+               "moe": {k: v for k, v in params.items() if base_name(k) in _MOE_MLP}}
         forced = None if routing is None else jnp.moveaxis(routing.astype(jnp.int32), 2, 0)  # [Lm, B, T, k]
         if forced is not None:
             replay = jnp.ones((B, T), bool) if replay is None else jnp.broadcast_to(replay, (B, T)).astype(bool)
@@ -386,7 +392,7 @@ class Backbone(nnx.Module):
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             m = {name: value if name.startswith("router") else value.astype(dt) for name, value in m.items()}
             if kind == "dense":
-                return (x + _dense_mlp(h, m), kv), None
+                return (x + _dense_mlp(h, m, _lora_scale(config)), kv), None
             out, info = _moe_mlp(config, h, m, f, replay, mask)
             return (x + out, kv), info
 
@@ -417,10 +423,21 @@ class Decoder(nnx.Module):
         self.backbone = Backbone(config, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = _init(rngs, (config.hidden_size, config.vocab_size), param_dtype, ("embed", "vocab"))
+        if config.lora is not None:
+            add_adapters(self.backbone.layers, config.lora, rngs)
 
     @property
     def param_dtype(self) -> jnp.dtype:
         return self.backbone.embed[...].dtype
+
+    def add_lora(self, lora: LoraConfig, rngs: nnx.Rngs) -> Decoder:
+        """Add fresh adapters to this model in place (B zero: its function is unchanged) and return
+        it; its config then carries `lora`. A model that has adapters keeps them (ValueError)."""
+        if self.config.lora is not None:
+            raise ValueError("the model already has LoRA adapters")
+        self.config = self.backbone.config = dataclasses.replace(self.config, lora=lora)
+        add_adapters(self.backbone.layers, lora, rngs)
+        return self
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,

@@ -15,9 +15,11 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from opd_jax.models.adapter_io import save_adapter
 from opd_jax.models.config import ModelConfig, ModelFormatError
 from opd_jax.models.decoder import Decoder
 from opd_jax.models.gguf_io import read_gguf
+from opd_jax.models.lora import merged_params
 from opd_jax.models.tokenizer import Tokenizer
 from opd_jax.models.weights import build_from_params, check_hf_tensors, params_from_hf, params_to_hf
 
@@ -93,12 +95,12 @@ def _read_safetensors(directory: Path, config: ModelConfig, dtype: Any) -> dict[
 
 def save_model(model: Decoder, path: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
                max_shard_bytes: int = 4 << 30) -> Path:
-    """Write `model` (and `tokenizer`) as a Hugging Face directory: config.json, safetensors
+    """Write `model` (and `tokenizer`; adapters merged) as a Hugging Face directory: config.json, safetensors
     (sharded with an index past `max_shard_bytes`), generation_config.json, tokenizer files."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    # a model with LoRA adapters is written merged (save_adapter writes the adapters alone)
+    config, params = merged_params(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     dtype = jax.tree.leaves(params)[0].dtype
     tensors = params_to_hf(config, params)
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -126,4 +128,15 @@ def save_model(model: Decoder, path: str | os.PathLike, tokenizer: Tokenizer | N
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     if tokenizer is not None:
         tokenizer.save(path)
+    return path
+
+
+def export_model(model: Decoder, path: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
+                 base_model: str | None = None) -> Path:
+    """What a run exports: `model` as a Hugging Face directory (`save_model`; adapters merged) and,
+    for a model with LoRA adapters, the adapters alone in PEFT's format in PATH/adapter
+    (`base_model`: the base they apply to, as PEFT records it)."""
+    path = save_model(model, path, tokenizer)
+    if model.config.lora is not None:
+        save_adapter(model, path / "adapter", base_model=base_model)
     return path

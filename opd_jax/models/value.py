@@ -10,6 +10,7 @@ from flax import nnx
 
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.decoder import Backbone, Decoder
+from opd_jax.models.lora import add_adapters
 from opd_jax.models.weights import build_from_params
 
 
@@ -23,6 +24,8 @@ class ValueModel(nnx.Module):
         self.backbone = Backbone(config, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
         self.value_head = nnx.Param(jnp.zeros((config.hidden_size,), jnp.float32), logical_axes=("embed",))
         self.value_bias = nnx.Param(jnp.zeros((), jnp.float32), logical_axes=())
+        if config.lora is not None:
+            add_adapters(self.backbone.layers, config.lora, rngs)
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1,

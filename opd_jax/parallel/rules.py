@@ -39,6 +39,7 @@ DEFAULT_RULES: LogicalRules = (
     ("layers", None),
     ("head_dim", None),
     ("norm", None),
+    ("lora_rank", None),  # a LoRA adapter's inner dimension (small; its other axis is sharded as the weight's)
 )
 
 

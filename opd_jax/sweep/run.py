@@ -89,8 +89,9 @@ class Sweep:
         for name, seed in runs:
             where = self.warm_starts.get((name, seed))
             if where is not None and where not in commands and run_status(where) != "finished":
+                # the warm start prepares the base (every weight trains): a LoRA run's adapters go on it
                 commands[where] = [sys.executable, "-m", "opd_jax.cli", "sft", str(self.base),
-                                   *self.overrides(cells[name], seed), f"logging.run_dir={where}",
+                                   *self.overrides(cells[name], seed), "model.lora=null", f"logging.run_dir={where}",
                                    "logging.progress_bar=false"]
         return commands
 
@@ -155,6 +156,7 @@ def _warm_start_key(config: TrainConfig) -> str:
     episode's turns are cut), hashed: runs with the same key share one."""
     plain = to_plain(config)
     inputs = {section: plain[section] for section in ("model", "sft", "data")}
+    inputs["model"] = {k: v for k, v in inputs["model"].items() if k != "lora"}  # adapters go on the shared base
     inputs["mesh"] = plain["mesh"]
     inputs.update(max_new_tokens=plain["rollout"]["max_new_tokens"], episodes=plain["rollout"]["episodes"])
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -6,7 +6,7 @@ here and nowhere deeper."""
 
 from opd_jax.run_files import WARM_START, WARM_UP, checkpoint_steps, run_status, write_json
 from opd_jax.train.batching import rollout_rewards, trajectories_to_batch
-from opd_jax.train.build import build_critic, build_model
+from opd_jax.train.build import add_configured_adapters, build_critic, build_model
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import progress, say
 from opd_jax.train.engines import INITIAL_WEIGHTS, sglang_engine, sglang_server_flags
@@ -23,7 +23,8 @@ from opd_jax.train.signals import stop_if_requested
 
 __all__ = ["Checkpoints", "HeldOutEvaluator", "INITIAL_WEIGHTS", "PPOTask", "RolloutSession", "RunError",
            "SupervisedTask", "Task",
-           "WARM_START", "WARM_UP", "build_critic", "build_model", "check_engine", "check_run_inputs", "checkpoint_steps",
+           "WARM_START", "WARM_UP", "add_configured_adapters", "build_critic", "build_model", "check_engine",
+           "check_run_inputs", "checkpoint_steps",
            "held_out_evaluator", "lock", "memory_report", "progress", "read_metrics", "rollout_rewards", "run", "run_status",
            "say", "sglang_engine", "sglang_server_flags", "stop_if_requested", "supervised_phase", "train",
            "trajectories_to_batch", "warm_start", "write_json"]

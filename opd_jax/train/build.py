@@ -15,6 +15,7 @@ from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelFormatError, family_defaults
+from opd_jax.models.lora import merged_params
 from opd_jax.models.moe import MoEConfig
 from opd_jax.models.quant import QuantScheme, quantize_decoder
 from opd_jax.models.weights import build_from_params
@@ -32,6 +33,14 @@ def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
     if tokenizer is None:
         raise ModelFormatError(f"model.path {section.path!r} has no tokenizer; a run needs one to read prompts")
     return policy, tokenizer
+
+
+def add_configured_adapters(policy: Decoder, section: ModelSection, seed: int) -> Decoder:
+    """`policy` with the LoRA adapters `section.lora` asks for added (in place; seeded by `seed`),
+    or as it is when it asks for none: what a training command trains."""
+    if section.lora is not None:
+        policy.add_lora(section.lora.spec(), nnx.Rngs(seed))
+    return policy
 
 
 # What a fresh model's section does not hold: the vocabulary and stop token (the character
@@ -98,8 +107,9 @@ def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, no
     """The policy as the rollout engine runs it: its parameters cast to the engine's dtype, which
     may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real, and its
     matmul weights quantized as `numerics` says (from the cast weights); `noise` adds
-    N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one."""
-    pure = nnx.to_pure_dict(params)
+    N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one. A policy with
+    LoRA adapters is run merged: each adapter folded into its base weight."""
+    config, pure = merged_params(config, nnx.to_pure_dict(params))
     if noise:
         leaves, tree = jax.tree.flatten(pure)
         keys = jax.random.split(jax.random.key(version), len(leaves))

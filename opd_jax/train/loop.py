@@ -17,9 +17,10 @@ import jax
 
 from opd_jax.config import TrainConfig, scoring_temperature
 from opd_jax.core import PPOState, advantages_and_returns, make_optimizer, ppo_step, score_batch
-from opd_jax.models import save_model
+from opd_jax.core.update import trainable
+from opd_jax.models import export_model
 from opd_jax.run_files import checkpoint_steps
-from opd_jax.train.build import build_critic, build_model
+from opd_jax.train.build import add_configured_adapters, build_critic, build_model
 from opd_jax.train.preflight import check_run_inputs
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import warm_start
@@ -29,10 +30,12 @@ __all__ = ["PPOTask", "memory_report", "train"]
 
 def memory_report(state: PPOState) -> dict[str, float | bool]:
     """Bytes of policy, critic, KL reference and both optimizer states (what training holds
-    besides activations; 0 for a critic or reference the run does not have), whether it has a
-    critic, and this process's peak resident memory so far."""
+    besides activations; 0 for a critic or reference the run does not have), of the parameters
+    that train (with LoRA: the adapters and the value head; else policy and critic), whether it
+    has a critic, and this process's peak resident memory so far."""
     nbytes = lambda tree: float(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
     return {"policy_gib": nbytes(state.policy) / 2**30, "critic": state.has_critic,
+            "trained_gib": nbytes((trainable(state.policy), trainable(state.critic))) / 2**30,
             "critic_gib": nbytes(state.critic) / 2**30, "reference_gib": nbytes(state.reference) / 2**30,
             "optimizer_states_gib": nbytes((state.policy_opt, state.critic_opt)) / 2**30,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -64,8 +67,10 @@ class PPOTask(Task):
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         """The policy; on a run without RL checkpoints yet, warm-started first (RUN_DIR/warm_start/,
-        a run of its own: a stop in it keeps its checkpoint and `--resume` continues it)."""
+        a run of its own: a stop in it keeps its checkpoint and `--resume` continues it); with
+        `model.lora`, adapters added first, so the warm start trains them too."""
         self.policy, self.tokenizer = build_model(self.config.model)
+        self.policy = add_configured_adapters(self.policy, self.config.model, self.config.seed)  # then all phases train them
         if (resuming and checkpoint_steps(run_dir)) or not self.config.sft.steps:
             return {}
         began = time.perf_counter()
@@ -103,7 +108,8 @@ class PPOTask(Task):
         with (run_dir / "memory.json").open("w") as f:
             json.dump(memory_report(state), f)
         if self.config.checkpoint.export_hf:
-            save_model(state.policy_model(), run_dir / "hf_policy", self.tokenizer)
+            export_model(state.policy_model(), run_dir / "hf_policy", self.tokenizer,
+                         base_model=self.config.model.path)
 
 
 def train(config: TrainConfig, *, resume: bool = False, force: bool = False, stop_after: int | None = None) -> Path:

@@ -22,10 +22,10 @@ from opd_jax.core.state import PolicyState
 from opd_jax.data import Example, take, train_prompts
 from opd_jax.envs import TurnCodec, episode_factory
 from opd_jax.envs.episodes import demonstration
-from opd_jax.models import Decoder, Tokenizer, save_model
+from opd_jax.models import Decoder, Tokenizer, export_model
 from opd_jax.run_files import WARM_START, checkpoint_steps, run_status
 from opd_jax.train.batching import pad_rows
-from opd_jax.train.build import build_model, encode_prompt, stop_ids
+from opd_jax.train.build import add_configured_adapters, build_model, encode_prompt, stop_ids
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import say
 from opd_jax.train.episodes import episode_limits
@@ -90,7 +90,8 @@ class SupervisedTask(Task):
     """`section.steps` cross-entropy updates (`sft_step`) of `policy` on the response tokens of
     batches(0), batches(1), ... (packed as section.pack says). `batches` may keep a position
     (`state()` / `restore()`, saved with each checkpoint); `export`: where `finish` writes the
-    trained model (None: nowhere; the caller takes the final state)."""
+    trained model (None: nowhere; the caller takes the final state) and, for a model with LoRA
+    adapters, the adapters in PEFT's format beside it (`export_model`; `base_model` recorded)."""
 
     command = "sft"
     uses_engine = False
@@ -100,8 +101,9 @@ class SupervisedTask(Task):
 
     def __init__(self, section: SFTSection, batches: Callable[[int], RolloutBatch], policy: Decoder,
                  tokenizer: Tokenizer, data: Any, *, description: str = "sft", export: Path | None = None,
-                 check: Callable[[], None] | None = None):
+                 check: Callable[[], None] | None = None, base_model: str | None = None):
         self.section, self.batches, self.export, self._check = section, batches, export, check
+        self.base_model = base_model
         self.policy, self.tokenizer, self.data, self.description = policy, tokenizer, data, description
         self.update = UpdateConfig(pack=section.pack)
         self.step_fn = functools.partial(sft_step, router_balance_coef=section.router_balance_coef)
@@ -134,7 +136,7 @@ class SupervisedTask(Task):
 
     def finish(self, state: PolicyState, run_dir: Path, phases: dict[str, float]) -> None:
         if self.export is not None:
-            save_model(state.model(), self.export, self.tokenizer)
+            export_model(state.model(), self.export, self.tokenizer, base_model=self.base_model)
 
 
 def phase_config(config: Any, run_dir: Path, steps: int) -> Any:
@@ -177,8 +179,9 @@ def run_sft(config: TrainConfig, *, resume: bool = False) -> Path:
         raise ConfigError("sft.steps is 0: nothing to train")
     run_dir = Path(config.logging.run_dir)
     policy, tokenizer = build_model(config.model)
+    policy = add_configured_adapters(policy, config.model, config.seed)
     task = SupervisedTask(config.sft, Demonstrations(config, policy, tokenizer), policy, tokenizer, config.data,
-                          export=run_dir / "sft_policy",
+                          export=run_dir / "sft_policy", base_model=config.model.path,
                           check=lambda: check_run_inputs(mesh=config.mesh, models={"model": config.model},
                                                          data=config.data, max_new_tokens=0))
     run(phase_config(config, run_dir, config.sft.steps), task, resume=resume)

@@ -1,0 +1,79 @@
+"""What LoRA saves: memory held for training (weights, optimizer state, the parameters that
+train: `memory.json`'s figures, computed by the same `memory_report`) and the time of one
+training step (θ_old scoring + the PPO step with the critic), full fine-tuning against LoRA
+rank 8 and 32 on every projection (all-linear, α = 2r), side by side in one run.
+
+    python benchmarks/bench_lora.py [--models quickstart smollm2] [--repeats 3]
+
+The models and batches are bench_critic_free.py's: quickstart (configs/quickstart.yaml's 0.6M
+Llama, 16 prompts × 4 samples, 24 + 8 tokens) and SmolLM2-135M-Instruct (float32, 2 prompts × 4
+samples, 64 + 64 tokens); PPO with the critic (GAE), AdamW, one mini-batch. Writes
+benchmarks/results/lora.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import resource
+
+import jax
+from bench_common import best_time, machine
+from bench_critic_free import ROOT, SHAPES, batch_of, model_arguments, policy_of
+from flax import nnx
+
+from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, make_optimizer, ppo_step, score_batch
+from opd_jax.models import ValueModel
+from opd_jax.models.lora import LoraConfig
+from opd_jax.train.loop import memory_report
+
+MODES = {"full": None, "lora r8": LoraConfig(rank=8, alpha=16.0), "lora r32": LoraConfig(rank=32, alpha=64.0)}
+
+
+def measure(name: str, repeats: int) -> dict:
+    batch = None
+    config = PPOConfig(advantage="gae")
+    tx = lambda: make_optimizer(OptimizerConfig(learning_rate=1e-6))  # noqa: E731
+    out = {}
+    for label, lora in MODES.items():
+        policy = policy_of(name)
+        if lora is not None:
+            policy.add_lora(lora, nnx.Rngs(0))
+        batch = batch if batch is not None else batch_of(policy.config.vocab_size, *SHAPES[name])
+        state = PPOState.create(policy, ValueModel.from_policy(policy, key=jax.random.key(1)), tx(), tx())
+        score = jax.jit(score_batch)
+        step = jax.jit(functools.partial(ppo_step, config=config, group_size=4))
+
+        def one_step(state=state):
+            _, metrics = step(state, score(state, batch))
+            jax.block_until_ready(metrics)
+        seconds = best_time(one_step, repeats)
+        memory = memory_report(state)
+        out[label] = {**{k: memory[k] for k in ("policy_gib", "critic_gib", "trained_gib", "optimizer_states_gib")},
+                      "held_gib": memory["policy_gib"] + memory["critic_gib"] + memory["optimizer_states_gib"],
+                      "step_s": seconds}
+        del state, policy
+    for label in MODES:
+        out[label]["held_vs_full"] = out[label]["held_gib"] / out["full"]["held_gib"]
+        out[label]["optimizer_vs_full"] = out[label]["optimizer_states_gib"] / out["full"]["optimizer_states_gib"]
+        out[label]["step_vs_full"] = out[label]["step_s"] / out["full"]["step_s"]
+    out["shape"] = dict(zip(("rows", "prompt", "response"), SHAPES[name]))
+    return out
+
+
+def main() -> None:
+    args = model_arguments(__doc__)
+    results = {"machine": machine(), "models": {name: measure(name, args.repeats) for name in args.models},
+               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    (ROOT / "benchmarks" / "results" / "lora.json").write_text(json.dumps(results, indent=1))
+    print("| model | training | trained GiB | optimizer GiB | held GiB (× full) | step s (× full) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name, r in results["models"].items():
+        for label in MODES:
+            x = r[label]
+            print(f"| {name} | {label} | {x['trained_gib']:.4f} | {x['optimizer_states_gib']:.4f} | "
+                  f"{x['held_gib']:.4f} ({x['held_vs_full']:.2f}×) | {x['step_s']:.3f} ({x['step_vs_full']:.2f}×) |")
+
+
+if __name__ == "__main__":
+    main()
