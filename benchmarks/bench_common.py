@@ -3,9 +3,12 @@ same run, the model-FLOP count of a decoder forward pass, and the t-interval of 
 
 from __future__ import annotations
 
+import json
 import platform
+import resource
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,14 @@ def flops_per_token(config, context: float, *, head: bool = True) -> float:
 
 def machine() -> str:
     return f"{platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+
+
+def measure_models(measure: Callable[[str, int], dict], models: list[str], repeats: int, result: Path) -> dict:
+    """{"machine", "models": {name: measure(name, repeats)}, "peak_rss_gib"}, written to `result`."""
+    results = {"machine": machine(), "models": {name: measure(name, repeats) for name in models},
+               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    result.write_text(json.dumps(results, indent=1))
+    return results
 
 
 def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import resource
 from pathlib import Path
 
 import jax
 import numpy as np
-from bench_common import best_time, machine
+from bench_common import best_time, measure_models
 
 from opd_jax.config import load_config
 from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, RolloutBatch, make_optimizer, ppo_step, score_batch
@@ -48,6 +46,17 @@ def batch_of(vocab: int, rows: int, prompt: int, response: int) -> RolloutBatch:
                         rewards=rng.integers(0, 2, rows).astype(np.float32))
 
 
+def step_seconds(state: PPOState, batch: RolloutBatch, config: PPOConfig, repeats: int) -> float:
+    """Best time of one training step: the θ_old scoring pass and `ppo_step` (groups of 4)."""
+    score = jax.jit(score_batch)
+    step = jax.jit(functools.partial(ppo_step, config=config, group_size=4))
+
+    def one_step():
+        _, metrics = step(state, score(state, batch))
+        jax.block_until_ready(metrics)
+    return best_time(one_step, repeats)
+
+
 def gib(tree) -> float:
     return float(sum(x.nbytes for x in jax.tree.leaves(tree))) / 2**30
 
@@ -60,13 +69,7 @@ def measure(name: str, repeats: int) -> dict:
     out = {}
     for label, critic in (("with critic", ValueModel.from_policy(policy, key=jax.random.key(1))), ("critic-free", None)):
         state = PPOState.create(policy, critic, tx(), None if critic is None else tx())
-        score = jax.jit(score_batch)
-        step = jax.jit(functools.partial(ppo_step, config=config, group_size=4))
-
-        def one_step(state=state):
-            new, metrics = step(state, score(state, batch))
-            jax.block_until_ready(metrics)
-        seconds = best_time(one_step, repeats)
+        seconds = step_seconds(state, batch, config, repeats)
         out[label] = {"weights_gib": gib((state.policy, state.critic)),
                       "optimizer_gib": gib((state.policy_opt, state.critic_opt)),
                       "held_gib": gib(state), "step_s": seconds}
@@ -86,9 +89,7 @@ def model_arguments(doc: str) -> argparse.Namespace:
 
 def main() -> None:
     args = model_arguments(__doc__)
-    results = {"machine": machine(), "models": {name: measure(name, args.repeats) for name in args.models},
-               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    (ROOT / "benchmarks" / "results" / "critic_free.json").write_text(json.dumps(results, indent=1))
+    results = measure_models(measure, args.models, args.repeats, ROOT / "benchmarks" / "results" / "critic_free.json")
     print("| model | state | weights GiB | optimizer GiB | held GiB | step s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results["models"].items():

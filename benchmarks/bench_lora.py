@@ -13,16 +13,12 @@ benchmarks/results/lora.json.
 
 from __future__ import annotations
 
-import functools
-import json
-import resource
-
 import jax
-from bench_common import best_time, machine
-from bench_critic_free import ROOT, SHAPES, batch_of, model_arguments, policy_of
+from bench_common import measure_models
+from bench_critic_free import ROOT, SHAPES, batch_of, model_arguments, policy_of, step_seconds
 from flax import nnx
 
-from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, make_optimizer, ppo_step, score_batch
+from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, make_optimizer
 from opd_jax.models import ValueModel
 from opd_jax.models.lora import LoraConfig
 from opd_jax.train.loop import memory_report
@@ -41,13 +37,7 @@ def measure(name: str, repeats: int) -> dict:
             policy.add_lora(lora, nnx.Rngs(0))
         batch = batch if batch is not None else batch_of(policy.config.vocab_size, *SHAPES[name])
         state = PPOState.create(policy, ValueModel.from_policy(policy, key=jax.random.key(1)), tx(), tx())
-        score = jax.jit(score_batch)
-        step = jax.jit(functools.partial(ppo_step, config=config, group_size=4))
-
-        def one_step(state=state):
-            _, metrics = step(state, score(state, batch))
-            jax.block_until_ready(metrics)
-        seconds = best_time(one_step, repeats)
+        seconds = step_seconds(state, batch, config, repeats)
         memory = memory_report(state)
         out[label] = {**{k: memory[k] for k in ("policy_gib", "critic_gib", "trained_gib", "optimizer_states_gib")},
                       "held_gib": memory["policy_gib"] + memory["critic_gib"] + memory["optimizer_states_gib"],
@@ -63,9 +53,7 @@ def measure(name: str, repeats: int) -> dict:
 
 def main() -> None:
     args = model_arguments(__doc__)
-    results = {"machine": machine(), "models": {name: measure(name, args.repeats) for name in args.models},
-               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    (ROOT / "benchmarks" / "results" / "lora.json").write_text(json.dumps(results, indent=1))
+    results = measure_models(measure, args.models, args.repeats, ROOT / "benchmarks" / "results" / "lora.json")
     print("| model | training | trained GiB | optimizer GiB | held GiB (× full) | step s (× full) |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, r in results["models"].items():
