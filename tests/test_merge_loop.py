@@ -374,3 +374,22 @@ def test_lora_experts_share_one_base_and_score_as_their_merged_exports(models, t
     ours, reference = shared.score(batch, index), merged.score(batch, index)
     for name in reference:
         np.testing.assert_allclose(ours[name], reference[name], atol=2e-5, err_msg=name)
+
+
+def test_a_lora_student_trains_its_adapters_on_a_frozen_base(models, tmp_path):
+    """student.lora: the merge trains the student's adapters only; its export is the merged model
+    and the adapter (PEFT's format) whose loading onto the base gives the merged model's logits."""
+    from opd_jax.models.adapter_io import load_adapter
+
+    run_dir = merge(config(models, tmp_path / "run", "student.lora={rank: 2, alpha: 4, targets: [q_proj, down_proj]}",
+                           "baselines.weight_average=false", "baselines.task_arithmetic=false"))
+    merged, _ = load_model(run_dir / "student")
+    base, _ = load_model(models / "student")
+    adapted = load_adapter(load_model(models / "student")[0], run_dir / "student" / "adapter")
+    tokens = jnp.arange(1, 11, dtype=jnp.int32)[None]
+    np.testing.assert_allclose(np.asarray(adapted(tokens)), np.asarray(merged(tokens)), atol=1e-4)
+    assert np.abs(np.asarray(merged.backbone.layers.q[...]) - np.asarray(base.backbone.layers.q[...])).max() > 0
+    for name in ("k", "v", "o", "gate", "up", "attn_norm"):  # frozen
+        np.testing.assert_array_equal(np.asarray(getattr(merged.backbone.layers, name)[...]),
+                                      np.asarray(getattr(base.backbone.layers, name)[...]))
+    np.testing.assert_array_equal(np.asarray(merged.backbone.embed[...]), np.asarray(base.backbone.embed[...]))
