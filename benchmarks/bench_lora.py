@@ -1,7 +1,8 @@
 """What LoRA saves: memory held for training (weights, optimizer state, the parameters that
 train: `memory.json`'s figures, computed by the same `memory_report`) and the time of one
 training step (θ_old scoring + the PPO step with the critic), full fine-tuning against LoRA
-rank 8 and 32 on every projection (all-linear, α = 2r), side by side in one run.
+rank 8 and 32 on every projection (all-linear, α = 2r), and QLoRA rank 8 on an int8 and an
+int4 (groups of 32) base, side by side in one run.
 
     python benchmarks/bench_lora.py [--models quickstart smollm2] [--repeats 3]
 
@@ -21,9 +22,12 @@ from flax import nnx
 from opd_jax.core import OptimizerConfig, PPOConfig, PPOState, make_optimizer
 from opd_jax.models import ValueModel
 from opd_jax.models.lora import LoraConfig
+from opd_jax.models.quant import QuantScheme, quantize_decoder
 from opd_jax.train.loop import memory_report
 
-MODES = {"full": None, "lora r8": LoraConfig(rank=8, alpha=16.0), "lora r32": LoraConfig(rank=32, alpha=64.0)}
+R8, R32 = LoraConfig(rank=8, alpha=16.0), LoraConfig(rank=32, alpha=64.0)
+MODES = {"full": (None, None), "lora r8": (R8, None), "lora r32": (R32, None),
+         "qlora r8 int8": (R8, QuantScheme("int8", "channel")), "qlora r8 int4": (R8, QuantScheme("int4", "group", 32))}
 
 
 def measure(name: str, repeats: int) -> dict:
@@ -31,10 +35,12 @@ def measure(name: str, repeats: int) -> dict:
     config = PPOConfig(advantage="gae")
     tx = lambda: make_optimizer(OptimizerConfig(learning_rate=1e-6))  # noqa: E731
     out = {}
-    for label, lora in MODES.items():
+    for label, (lora, base) in MODES.items():
         policy = policy_of(name)
         if lora is not None:
             policy.add_lora(lora, nnx.Rngs(0))
+        if base is not None:
+            quantize_decoder(policy, base)
         batch = batch if batch is not None else batch_of(policy.config.vocab_size, *SHAPES[name])
         state = PPOState.create(policy, ValueModel.from_policy(policy, key=jax.random.key(1)), tx(), tx())
         seconds = step_seconds(state, batch, config, repeats)

@@ -38,7 +38,7 @@ def like_state(run_dir):
     config = load_config(run_dir / "config.yaml")
     policy, _ = build_model(config.model)
     if config.model.lora is not None:
-        from flax import nnx
-        policy.add_lora(config.model.lora.spec(), nnx.Rngs(config.seed))
+        from opd_jax.train import add_configured_adapters
+        add_configured_adapters(policy, config.model, config.seed)
     return PPOState.create(policy, build_critic(policy, config), make_optimizer(config.algorithm.policy_optimizer),
                            make_optimizer(config.algorithm.critic_optimizer), reference=config.algorithm.ppo.kl.enabled)

@@ -89,6 +89,31 @@ class FreshModel(Section):
         return self
 
 
+class QuantizationSection(Section):
+    """Weight-only quantization of the rollout engine's matmul weights (attention, MLP, experts;
+    embeddings, LM head, norms and routers keep rollout.dtype). Re-quantized from the trainer's
+    weights at every refit, deterministically. The trainer keeps its own precision."""
+
+    kind: Literal["none", "fp8", "int8", "int4"] = "none"
+    """none; fp8 (e4m3); int8 (per output channel); int4 (grouped)."""
+    scales: Literal["channel", "block", "group"] | None = None
+    """Scale granularity: fp8 channel (per output column) or block (block_size² blocks, as DeepSeek/SGLang FP8 checkpoints); int8 channel; int4 group (block_size input rows). Unset: the first named."""  # noqa: E501
+    block_size: int = Field(128, gt=0)
+    """Side of an fp8 block, length of an int4 group; must divide the weights it tiles."""
+
+    @model_validator(mode="after")
+    def _scales_fit_the_kind(self) -> QuantizationSection:
+        self.scheme()  # QuantScheme names a kind / scales mismatch
+        return self
+
+    def scheme(self):
+        """The models.quant.QuantScheme, or None for kind none."""
+        from opd_jax.models.quant import SCALES, QuantScheme
+        if self.kind == "none":
+            return None
+        return QuantScheme(self.kind, self.scales or SCALES[self.kind][0], self.block_size)
+
+
 class LoraSection(Section):
     """Low-rank adapters (LoRA): the model is a frozen base and every phase of the command (a
     warm start included) trains only the adapters, whose optimizer state is all the optimizer
@@ -103,6 +128,8 @@ class LoraSection(Section):
     """α: the update is scaled by α/r."""
     targets: Literal["all-linear"] | list[str] = "all-linear"
     """PEFT module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; an MLP name covers a MoE model's shared and routed experts too), or all-linear: all seven."""  # noqa: E501
+    base_quantization: QuantizationSection = QuantizationSection()
+    """QLoRA: the frozen base's matmul weights held in an engine format (fp8, int8, int4; as rollout.quantization), dequantized layer by layer in the forward; the adapters train in model.dtype."""  # noqa: E501
 
     @field_validator("targets")
     @classmethod
@@ -201,31 +228,6 @@ class SGLangSection(SGLangClientSection):
     """Streamed responses: one event per this many tokens (SGLang's per-request stream_interval): fewer events to parse; a rollout cut by a refit or crash resumes from its last event."""  # noqa: E501
     refit: Literal["auto", "disk", "restart"] = "auto"
     """New weights by pause → flush_cache → update_weights_from_disk → continue (disk), by relaunching the servers (restart), or disk where the server has the endpoint (auto)."""  # noqa: E501
-
-
-class QuantizationSection(Section):
-    """Weight-only quantization of the rollout engine's matmul weights (attention, MLP, experts;
-    embeddings, LM head, norms and routers keep rollout.dtype). Re-quantized from the trainer's
-    weights at every refit, deterministically. The trainer keeps its own precision."""
-
-    kind: Literal["none", "fp8", "int8", "int4"] = "none"
-    """none; fp8 (e4m3); int8 (per output channel); int4 (grouped)."""
-    scales: Literal["channel", "block", "group"] | None = None
-    """Scale granularity: fp8 channel (per output column) or block (block_size² blocks, as DeepSeek/SGLang FP8 checkpoints); int8 channel; int4 group (block_size input rows). Unset: the first named."""  # noqa: E501
-    block_size: int = Field(128, gt=0)
-    """Side of an fp8 block, length of an int4 group; must divide the weights it tiles."""
-
-    @model_validator(mode="after")
-    def _scales_fit_the_kind(self) -> QuantizationSection:
-        self.scheme()  # QuantScheme names a kind / scales mismatch
-        return self
-
-    def scheme(self):
-        """The models.quant.QuantScheme, or None for kind none."""
-        from opd_jax.models.quant import SCALES, QuantScheme
-        if self.kind == "none":
-            return None
-        return QuantScheme(self.kind, self.scales or SCALES[self.kind][0], self.block_size)
 
 
 class EpisodeSection(Section):

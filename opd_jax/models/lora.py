@@ -111,14 +111,16 @@ def project(spec: str, x: jax.Array, w: dict[str, jax.Array], name: str, scale: 
     return y + scale * jnp.einsum(f"{rest}{r},{r}{kept}->{out}", low, w[name + SUFFIX_B])
 
 
-def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, name: str, scale: float) -> jax.Array:
-    """W + scale·A·B for a weight and its adapter, stacked or one layer's slice (any leading axes)."""
+def merged_weight(w: Any, a: jax.Array, b: jax.Array, name: str, scale: float) -> jax.Array:
+    """W + scale·A·B for a weight and its adapter, stacked or one layer's slice (any leading axes),
+    in the adapter's dtype where W is held quantized (QLoRA's base), else in W's."""
     ins = _split(name)[1]
     lead = a.ndim - 1 - ins
     flat_a = a.reshape(a.shape[:lead] + (-1, a.shape[-1]))
     flat_b = b.reshape(b.shape[:lead + 1] + (-1,))
     delta = jnp.einsum("...ir,...ro->...io", flat_a.astype(jnp.float32), flat_b.astype(jnp.float32))
-    return (w.astype(jnp.float32) + scale * delta.reshape(w.shape)).astype(w.dtype)
+    base = w.astype(jnp.float32)  # a quantized weight dequantizes here
+    return (base + scale * delta.reshape(base.shape)).astype(w.dtype if isinstance(w, jax.Array) else a.dtype)
 
 
 def merge_adapters(weights: dict[str, Any], scale: float) -> dict[str, Any]:
@@ -130,11 +132,18 @@ def merge_adapters(weights: dict[str, Any], scale: float) -> dict[str, Any]:
     return out
 
 
+def _dequantized(weights: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """Every weight held quantized (a QLoRA base's) as a plain array of `dtype`."""
+    return {k: v if isinstance(v, jax.Array) else v.astype(dtype) for k, v in weights.items()}
+
+
 def merged_params(config: Any, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """(config, pure parameter dict) of a model with adapters -> the same function as a plain
-    model: each adapter folded into its weight (what an engine runs and an export writes).
-    A model without adapters comes back as it is."""
+    model: each adapter folded into its weight, a quantized base dequantized (what an engine runs
+    and an export writes). A model without adapters comes back as it is."""
     if config.lora is None:
         return config, params
-    backbone = {**params["backbone"], "layers": merge_adapters(params["backbone"]["layers"], config.lora.scale)}
+    dtype = params["backbone"]["embed"].dtype
+    layers = _dequantized(merge_adapters(params["backbone"]["layers"], config.lora.scale), dtype)
+    backbone = {**params["backbone"], "layers": layers}
     return dataclasses.replace(config, lora=None), {**params, "backbone": backbone}

@@ -76,7 +76,10 @@ class QuantizedWeight:
     shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
 
     def astype(self, dtype: Any) -> jax.Array:
-        return qwix.dequantize(self.q).reshape(self.shape).astype(dtype)
+        """Dequantized: one layer's weight (a slice), or the stacked weight of every layer."""
+        x = qwix.dequantize(self.q)
+        shape = self.shape if x.size == math.prod(self.shape) else (x.shape[0], *self.shape)
+        return x.reshape(shape).astype(dtype)
 
     def __getitem__(self, index: Any) -> QuantizedWeight:
         return QuantizedWeight(jax.tree.map(lambda x: x[index], self.q), self.shape)

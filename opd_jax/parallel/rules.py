@@ -67,11 +67,13 @@ def _is_variable(x: Any) -> bool:
 def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Any:
     """NamedShardings for a pytree holding nnx Variables (parameters, or optimizer moments, which
     optax builds as copies of them and so keep their logical axes) and plain arrays, which are
-    replicated. The result is a prefix tree of `tree`, fit for jax.jit's in/out_shardings."""
+    replicated, as are weights held quantized. The result is a prefix tree of `tree`, fit for
+    jax.jit's in/out_shardings."""
     def one(x):
         if _is_variable(x):
             names = x.get_metadata().get("logical_axes")
-            if names is not None:
+            # a weight held quantized (a QLoRA base: values and scales, not one array) is replicated
+            if names is not None and isinstance(x[...], jax.Array):
                 return NamedSharding(mesh, logical_spec(names, x[...].shape, mesh, rules))
         return NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(one, tree, is_leaf=_is_variable)

@@ -36,10 +36,14 @@ def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
 
 
 def add_configured_adapters(policy: Decoder, section: ModelSection, seed: int) -> Decoder:
-    """`policy` with the LoRA adapters `section.lora` asks for added (in place; seeded by `seed`),
-    or as it is when it asks for none: what a training command trains."""
+    """`policy` with the LoRA adapters `section.lora` asks for added (in place; seeded by `seed`)
+    and, for QLoRA, its base's matmul weights quantized; or as it is when it asks for none: what a
+    training command trains."""
     if section.lora is not None:
         policy.add_lora(section.lora.spec(), nnx.Rngs(seed))
+        scheme = section.lora.base_quantization.scheme()
+        if scheme is not None:
+            quantize_decoder(policy, scheme)
     return policy
 
 

@@ -138,6 +138,13 @@ def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], da
     `rollout` engine serves."""
     check_mesh("mesh", mesh)
     described = [check_model(key, section) for key, section in models.items()]
+    for (key, section), (_, config) in zip(models.items(), described):
+        scheme = section.lora.base_quantization.scheme() if section.lora is not None else None
+        if scheme is not None and config is not None:
+            try:
+                check_quantizable(config, scheme)
+            except ModelFormatError as e:
+                raise ConfigError(f"{key}.lora.base_quantization.block_size: {e}") from None
     check_reward_fn("data.reward_fn", data.reward_fn)
     tokenizer, config = described[0] if described else (None, None)
     check_data(data, tokenizer, None if config is None else config.max_position_embeddings, max_new_tokens)
