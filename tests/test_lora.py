@@ -132,20 +132,23 @@ def test_only_the_adapters_and_the_value_head_train(base_dir):
         assert min(moved) > 0
 
 
-def test_a_lora_run_killed_during_a_save_resumes_exactly(tmp_path):
+def test_a_qlora_run_killed_during_a_save_resumes_exactly(tmp_path):
     """The loop tests' run (a MoE policy with routing replay, sharded over 8 devices, a critic and a
-    KL reference) with adapters on every projection and routed expert: SIGKILL while saving step
-    4, resume; the parameters and optimizer states (adapters only) equal an uninterrupted run's."""
+    KL reference) with adapters on every projection and routed expert over an int4 base (QLoRA):
+    SIGKILL while saving step 4, resume; the parameters (the base still int4) and optimizer states
+    (adapters only) equal an uninterrupted run's."""
     import subprocess
     import sys
     from pathlib import Path
 
     from train_loop_settings import RESUME_ARGS, TINY, like_state
 
+    from opd_jax.models.quant import QuantizedWeight
     from opd_jax.train import train
     from opd_jax.train.checkpoint import Checkpoints
+    from opd_jax.train.metrics import read_metrics
 
-    lora = ["model.lora={rank: 4, alpha: 8}", "steps=4"]
+    lora = ["model.lora={rank: 4, alpha: 8, base_quantization: {kind: int4, block_size: 32}}", "steps=4"]
     straight = train(load_config(None, [*TINY, *RESUME_ARGS, *lora, f"logging.run_dir={tmp_path / 'straight'}"]))
     worker = Path(__file__).with_name("kill_during_save.py")
     killed = subprocess.run([sys.executable, str(worker), str(tmp_path / "killed"), *lora], capture_output=True,
@@ -158,9 +161,17 @@ def test_a_lora_run_killed_during_a_save_resumes_exactly(tmp_path):
         checkpoints = Checkpoints(run / "checkpoints", keep=2)
         try:
             states.append(checkpoints.restore(4, like_state(straight))[0])
+            held = list(checkpoints._recorded_tree(4))
         finally:
             checkpoints.close()
+        # the checkpoint holds the adapters (policy, critic, reference), the value head and optimizer
+        # states, not the frozen base, which the run rebuilds from its config
+        params = [p for p in held if p.lstrip(".").startswith(("policy", "critic", "reference")) and "_opt" not in p]
+        assert params and all("lora" in p or "value_" in p for p in params), params
     a, b = states
+    q = a.policy["backbone"]["layers"]["expert_up"][...]
+    assert isinstance(q, QuantizedWeight) and q.q.qvalue.dtype == jnp.int4  # held and checkpointed as int4
+    assert any(r.get("policy/grad_norm", 0) > 0 for r in read_metrics(straight / "metrics.jsonl"))
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     adapters = trainable(a.policy)
     assert nbytes(adapters) < nbytes(a.policy) / 2
@@ -170,38 +181,50 @@ def test_a_lora_run_killed_during_a_save_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_qlora_trains_adapters_on_an_int4_base_and_resumes_exactly(tmp_path):
-    """model.lora.base_quantization: the frozen base's matmul weights are held as int4 (grouped
-    scales) on an 8-device mesh, the adapters train on it, the engine runs the same function
-    (merged, dequantized: no mismatch), and a run stopped after step 2 and resumed ends as an
-    uninterrupted one."""
-    from train_loop_settings import TINY, like_state
+def test_the_engine_runs_a_qlora_policy_as_the_trainer_computes_it(base_dir):
+    """A QLoRA policy (int8 base, trained adapters): the engine's copy (adapters merged into the
+    dequantized base, at the trainer's precision) gives the trainer's logits; the quantized base
+    is a different function from the full-precision one."""
+    from opd_jax.models.quant import QuantScheme, quantize_decoder
+    from opd_jax.train.build import EngineNumerics, engine_model
 
-    from opd_jax.models.quant import QuantizedWeight
-    from opd_jax.train import train
-    from opd_jax.train.checkpoint import Checkpoints
-    from opd_jax.train.metrics import read_metrics
+    model = _adapted(base_dir)
+    _randomise_b(model)
+    full = np.asarray(model(jnp.asarray(TOKENS)))
+    quantize_decoder(model, QuantScheme("int8", "channel"))
+    trainer = np.asarray(model(jnp.asarray(TOKENS)))
+    engine = engine_model(model.config, nnx.state(model, nnx.Param), EngineNumerics())
+    assert engine.config.lora is None
+    _close(np.asarray(engine(jnp.asarray(TOKENS))), trainer, rtol=1e-5)
+    assert np.max(np.abs(trainer - full)) > 1e-4
 
-    args = [*TINY, "steps=4", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=4",
-            "model.lora={rank: 4, alpha: 8, base_quantization: {kind: int4, block_size: 32}}"]
-    straight = train(load_config(None, [*args, f"logging.run_dir={tmp_path / 'straight'}"]))
-    stopped = tmp_path / "stopped"
-    train(load_config(None, [*args, f"logging.run_dir={stopped}"]), stop_after=2)
-    train(load_config(None, [*args, f"logging.run_dir={stopped}"]), resume=True)
-    rows = read_metrics(straight / "metrics.jsonl")
-    mismatch = [r["mismatch_abs_logp_diff"] for r in rows if "mismatch_abs_logp_diff" in r]
-    assert len(mismatch) == 4 and max(mismatch) < 1e-5  # float rounding only
-    assert any(r.get("policy/grad_norm", 0) > 0 for r in rows)
-    states = []
-    for run in (straight, stopped):
-        checkpoints = Checkpoints(run / "checkpoints", keep=2)
-        try:
-            states.append(checkpoints.restore(4, like_state(straight))[0])
-        finally:
-            checkpoints.close()
-    a, b = states
-    q = a.policy["backbone"]["layers"]["q"][...]
-    assert isinstance(q, QuantizedWeight) and q.q.qvalue.dtype == jnp.int4  # held (and checkpointed) as int4
-    for x, y in zip(jax.tree.leaves((a.policy, a.critic, a.policy_opt, a.critic_opt)),
-                    jax.tree.leaves((b.policy, b.critic, b.policy_opt, b.critic_opt)), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+def test_a_checkpoint_holds_the_adapters_and_refuses_another_base(base_dir, tmp_path):
+    """A LoRA state's checkpoint leaves the frozen base out (it records the base's fingerprint);
+    restored onto the same base it is the saved state; onto a changed base, one line says so and
+    the checkpoint stays where it is."""
+    from opd_jax.core.state import PolicyState
+    from opd_jax.train.checkpoint import CheckpointMismatch, Checkpoints
+
+    def state_on(model):
+        return PolicyState.create(model, optax.adam(1e-3))
+
+    model = _adapted(base_dir, ("q_proj",))
+    _randomise_b(model)
+    saved = state_on(model)
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    try:
+        checkpoints.save(1, saved, {})
+        held = checkpoints._recorded_tree(1)
+        assert [p for p in held if "params" in p] and all("lora" in p for p in held if "params" in p)
+        step, restored, _ = checkpoints.restore_latest(state_on(_adapted(base_dir, ("q_proj",))))
+        assert step == 1
+        for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        other = _adapted(base_dir, ("q_proj",))
+        other.backbone.layers.k[...] = other.backbone.layers.k[...] * 1.01
+        with pytest.raises(CheckpointMismatch, match="adapters trained on another base"):
+            checkpoints.restore_latest(state_on(other))
+        assert checkpoints.latest_step() == 1
+    finally:
+        checkpoints.close()

@@ -74,15 +74,16 @@ class QuantizedWeight:
 
     q: qwix.QArray
     shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+    stacked_ndim: int = flax.struct.field(pytree_node=False, default=0)  # the [layers, ..., in, out] view's
 
     def astype(self, dtype: Any) -> jax.Array:
         """Dequantized: one layer's weight (a slice), or the stacked weight of every layer."""
         x = qwix.dequantize(self.q)
-        shape = self.shape if x.size == math.prod(self.shape) else (x.shape[0], *self.shape)
+        shape = (x.shape[0], *self.shape) if x.ndim == self.stacked_ndim else self.shape
         return x.reshape(shape).astype(dtype)
 
     def __getitem__(self, index: Any) -> QuantizedWeight:
-        return QuantizedWeight(jax.tree.map(lambda x: x[index], self.q), self.shape)
+        return QuantizedWeight(jax.tree.map(lambda x: x[index], self.q), self.shape, self.stacked_ndim)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +120,7 @@ def quantize_weight(w: jax.Array, name: str, scheme: QuantScheme) -> QuantizedWe
                                    f"{view[axis]} of weight layers.{name} (shape {tuple(w.shape)})")
     q = qwix.quantize(w.astype(jnp.float32).reshape(view), QTYPES[scheme.kind], channelwise_axes=channelwise,
                       tiled_axes=tiled)
-    return QuantizedWeight(q, tuple(w.shape[1:]))
+    return QuantizedWeight(q, tuple(w.shape[1:]), len(view))
 
 
 def check_quantizable(config: ModelConfig, scheme: QuantScheme) -> None:

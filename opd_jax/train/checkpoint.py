@@ -1,5 +1,6 @@
 """Checkpoints of a run through orbax: the whole train state (policy, critic, optimizer states,
-step) plus the prompt iterator's state and how many prompt groups were drawn.
+step; of a LoRA model only the adapters, its frozen base being rebuilt from the config) plus the
+prompt iterator's state and how many prompt groups were drawn.
 
 Faults are the user's to read in one line, never orbax's or tensorstore's. Orbax writes each
 step under a temporary name and renames it when complete, so a kill mid-save leaves the previous
@@ -33,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from flax import nnx
 
+from opd_jax.core.update import split_trainable
 from opd_jax.run_files import write_json
 from opd_jax.train.errors import RunError
 
@@ -137,6 +141,37 @@ def _quiet() -> Iterator[None]:
         sys.unraisablehook = hook
 
 
+def _is_state(x: Any) -> bool:
+    return isinstance(x, nnx.State)
+
+
+def trained_part(state: Any) -> Any:
+    """What a checkpoint holds of a train state: every parameter tree without its frozen part (a
+    LoRA model's base, `split_trainable`), which the run rebuilds from its config; a state
+    without adapters is all of it."""
+    return jax.tree.map(lambda x: split_trainable(x)[0] if _is_state(x) else x, state, is_leaf=_is_state)
+
+
+def with_frozen(trained: Any, like: Any) -> Any:
+    """A restored `trained_part` with the frozen parts of `like` (a fresh state of the run) put back."""
+    def join(t: Any, fresh: Any) -> Any:
+        frozen = split_trainable(fresh)[1] if _is_state(fresh) else None
+        return t if frozen is None else nnx.merge_state(t, frozen)
+    return jax.tree.map(join, trained, like, is_leaf=_is_state)
+
+
+def frozen_fingerprint(state: Any) -> list[float] | None:
+    """Sums and absolute sums of every frozen leaf of `state` (a LoRA model's base), rounded: what
+    a checkpoint that leaves the base out records to tell that the run rebuilt the same base.
+    None when nothing is frozen."""
+    frozen = [split_trainable(x)[1] for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
+    leaves = jax.tree.leaves([f for f in frozen if f is not None])
+    if not leaves:
+        return None
+    sums = [(jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.abs(x.astype(jnp.float32)))) for x in leaves]
+    return [round(float(v), 3) for pair in jax.device_get(sums) for v in pair]
+
+
 class Checkpoints:
     def __init__(self, directory: Path, keep: int, *, say: Callable[[str], None] = print):
         self.directory = directory.absolute()
@@ -164,10 +199,13 @@ class Checkpoints:
         """Write step `step` (its tree recorded in the metadata, its files' checksums once it is
         committed); a failure removes the partial directory and raises RunError in one line, a
         KeyboardInterrupt (a second Ctrl-C) removes it and goes on."""
+        frozen = frozen_fingerprint(state)
+        state = trained_part(state)
+        meta = {**meta, "tree": tree_record(state), **({"frozen": frozen} if frozen is not None else {})}
         try:
             with _quiet():
-                self.manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, "tree": tree_record(state)})))
+                self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                meta=ocp.args.JsonSave(meta)))
                 self.manager.wait_until_finished()
             if jax.process_index() == 0:
                 write_json(self.directory / str(step) / CHECKSUMS, _file_hashes(self.directory / str(step)))
@@ -199,14 +237,19 @@ class Checkpoints:
         return bool(partial)
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
-        """The state at `step`, shaped and sharded like `like`, and its metadata."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        """The state at `step`, shaped and sharded like `like` (its frozen parts `like`'s own), and
+        its metadata."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, trained_part(like))
         with _quiet():
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                      meta=ocp.args.JsonRestore()))
         meta = dict(out.meta)
         meta.pop("tree", None)
-        return out.state, meta
+        frozen = meta.pop("frozen", None)
+        if frozen is not None and frozen != frozen_fingerprint(like):
+            raise CheckpointMismatch(f"checkpoint step {step} holds adapters trained on another base than the one "
+                                     f"this run built (model.path's weights changed since?); resume on that base")
+        return with_frozen(out.state, like), meta
 
     def _recorded_tree(self, step: int) -> dict[str, list] | None:
         """The tree step `step` recorded (None for a checkpoint saved before trees were recorded);
@@ -219,8 +262,9 @@ class Checkpoints:
         """The newest checkpoint that reads: (step, state, metadata). An unreadable one (files that
         differ from their checksums, metadata or arrays that do not restore) is moved to
         `checkpoints_unreadable/<step>` with a one-line note, and the next newest is tried. A
-        checkpoint whose recorded tree differs from `like` raises CheckpointMismatch."""
-        ours = tree_record(like)
+        checkpoint whose recorded tree differs from `like`, or whose adapters were trained on
+        another frozen base, raises CheckpointMismatch."""
+        ours = tree_record(trained_part(like))
         for step in sorted(self.manager.all_steps(read=True), reverse=True):
             problem = verify_files(self.directory / str(step))
             if problem is None:
@@ -235,6 +279,8 @@ class Checkpoints:
                 try:
                     state, meta = self.restore(step, like)
                     return step, state, meta
+                except CheckpointMismatch:
+                    raise
                 except Exception as e:
                     problem = _first_line(e, 160)
             self._set_aside(step, problem)
