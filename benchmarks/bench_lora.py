@@ -9,7 +9,8 @@ int4 (groups of 32) base, side by side in one run.
 The models and batches are bench_critic_free.py's: quickstart (configs/quickstart.yaml's 0.6M
 Llama, 16 prompts × 4 samples, 24 + 8 tokens) and SmolLM2-135M-Instruct (float32, 2 prompts × 4
 samples, 64 + 64 tokens); PPO with the critic (GAE), AdamW, one mini-batch. Writes
-benchmarks/results/lora.json.
+benchmarks/results/lora.json (`--repeats 0`: the memory alone, no step timed, into
+benchmarks/results/lora_memory.json).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def measure(name: str, repeats: int) -> dict:
             quantize_decoder(policy, base)
         batch = batch if batch is not None else batch_of(policy.config.vocab_size, *SHAPES[name])
         state = PPOState.create(policy, ValueModel.from_policy(policy, key=jax.random.key(1)), tx(), tx())
-        seconds = step_seconds(state, batch, config, repeats)
+        seconds = step_seconds(state, batch, config, repeats) if repeats else None
         memory = memory_report(state)
         out[label] = {**{k: memory[k] for k in ("policy_gib", "critic_gib", "trained_gib", "optimizer_states_gib")},
                       "held_gib": memory["policy_gib"] + memory["critic_gib"] + memory["optimizer_states_gib"],
@@ -52,21 +53,23 @@ def measure(name: str, repeats: int) -> dict:
     for label in MODES:
         out[label]["held_vs_full"] = out[label]["held_gib"] / out["full"]["held_gib"]
         out[label]["optimizer_vs_full"] = out[label]["optimizer_states_gib"] / out["full"]["optimizer_states_gib"]
-        out[label]["step_vs_full"] = out[label]["step_s"] / out["full"]["step_s"]
+        out[label]["step_vs_full"] = out[label]["step_s"] / out["full"]["step_s"] if repeats else None
     out["shape"] = dict(zip(("rows", "prompt", "response"), SHAPES[name]))
     return out
 
 
 def main() -> None:
     args = model_arguments(__doc__)
-    results = measure_models(measure, args.models, args.repeats, ROOT / "benchmarks" / "results" / "lora.json")
+    name = "lora.json" if args.repeats else "lora_memory.json"  # --repeats 0: memory only, no step timed
+    results = measure_models(measure, args.models, args.repeats, ROOT / "benchmarks" / "results" / name)
     print("| model | training | trained GiB | optimizer GiB | held GiB (× full) | step s (× full) |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, r in results["models"].items():
         for label in MODES:
             x = r[label]
+            step = f"{x['step_s']:.3f} ({x['step_vs_full']:.2f}×)" if args.repeats else "not timed"
             print(f"| {name} | {label} | {x['trained_gib']:.4f} | {x['optimizer_states_gib']:.4f} | "
-                  f"{x['held_gib']:.4f} ({x['held_vs_full']:.2f}×) | {x['step_s']:.3f} ({x['step_vs_full']:.2f}×) |")
+                  f"{x['held_gib']:.4f} ({x['held_vs_full']:.2f}×) | {step} |")
 
 
 if __name__ == "__main__":
