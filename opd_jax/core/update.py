@@ -120,7 +120,8 @@ def trainable(params: Any) -> Any:
     return split_trainable(params)[0]
 
 
-def _joined(trained: Any, frozen: Any) -> Any:
+def joined(trained: Any, frozen: Any) -> Any:
+    """The inverse of `split_trainable`: the trained part with the frozen rest (None: nothing) put back."""
     return trained if frozen is None else nnx.merge_state(trained, frozen)
 
 
@@ -136,7 +137,7 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, ja
     params, frozen = split_trainable(params)
 
     def scaled(p, t):
-        loss, metrics = loss_fn(_joined(p, frozen), t)
+        loss, metrics = loss_fn(joined(p, frozen), t)
         return loss_scale.scale(loss), metrics
 
     grad_fn = jax.grad(scaled, has_aux=True)
@@ -174,7 +175,7 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
         adjusted = scale.adjust(finite)
         new_opt = new_opt._replace(loss_scale=adjusted.loss_scale, finite_updates=adjusted.counter)
         metrics["loss_scale"] = scale.loss_scale
-    return _joined(keep(new_params, params), frozen), new_opt, metrics
+    return joined(keep(new_params, params), frozen), new_opt, metrics
 
 
 def run_updates(update: Callable[[Any, Any], tuple[Any, Metrics]], carry: Any, targets: Any, config: UpdateConfig

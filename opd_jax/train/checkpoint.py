@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from opd_jax.core.update import split_trainable
+from opd_jax.core.update import joined, split_trainable
 from opd_jax.run_files import write_json
 from opd_jax.train.errors import RunError
 
@@ -154,10 +154,8 @@ def trained_part(state: Any) -> Any:
 
 def with_frozen(trained: Any, like: Any) -> Any:
     """A restored `trained_part` with the frozen parts of `like` (a fresh state of the run) put back."""
-    def join(t: Any, fresh: Any) -> Any:
-        frozen = split_trainable(fresh)[1] if _is_state(fresh) else None
-        return t if frozen is None else nnx.merge_state(t, frozen)
-    return jax.tree.map(join, trained, like, is_leaf=_is_state)
+    return jax.tree.map(lambda t, fresh: joined(t, split_trainable(fresh)[1]) if _is_state(fresh) else t,
+                        trained, like, is_leaf=_is_state)
 
 
 def frozen_fingerprint(state: Any) -> list[float] | None:
