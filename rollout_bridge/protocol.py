@@ -22,11 +22,14 @@ class WeightUpdate:
     """New policy weights, offered in both forms an engine may want; each is built only if asked
     for. `model()` gives the engine-precision model in memory (embedded engine);
     `save_hf(directory)` writes it as a Hugging Face directory (SGLang's update_weights_from_disk
-    or a server restart)."""
+    or a server restart). A LoRA policy also offers `adapters()`: its adapters alone, in the
+    engine's precision (the pure dict of the model's LoRA parameters), for an engine that holds
+    the base from an earlier update's `model()` and so moves nothing else."""
 
     version: int
     model: Callable[[], Any] | None = None
     save_hf: Callable[[Path], None] | None = None
+    adapters: Callable[[], Any] | None = None
 
 
 class EngineError(OpdJaxError, RuntimeError):

@@ -2,6 +2,9 @@
 weights; PEFT (with transformers, the reference) loads our adapter with our logits, and we load
 PEFT's; only the adapters (and a critic's value head) train."""
 
+import asyncio
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +17,12 @@ from flax import nnx
 from hf_reference import hf_logits, make_hf_model
 
 from opd_jax.config import ConfigError, TrainConfig, load_config
+from opd_jax.core import PPOState
 from opd_jax.core.update import accumulate_grads, apply_update, split_trainable, trainable
-from opd_jax.models import ValueModel, load_model, save_model
-from opd_jax.models.adapter_io import load_adapter, save_adapter
+from opd_jax.models import KVCache, ValueModel, load_model, save_model
+from opd_jax.models.adapter_io import load_adapter, read_adapter_config, save_adapter
 from opd_jax.models.config import ModelFormatError
-from opd_jax.models.lora import LoraConfig
+from opd_jax.models.lora import LoraConfig, bank
 
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 9)).astype(np.int32)
 
@@ -93,6 +97,126 @@ def test_a_broken_adapter_is_one_line_naming_the_tensor(base_dir, tmp_path):
     (tmp_path / "adapter_config.json").write_text(config.replace('"use_dora": false', '"use_dora": true'))
     with pytest.raises(ModelFormatError, match="use_dora=True is not supported"):
         load_adapter(load_model(base_dir)[0], tmp_path)
+
+
+def _bank_of(models):
+    """A decoder on models[0]'s base holding every model's adapters as one bank."""
+    banked = nnx.merge(*nnx.split(models[0]))
+    for name, param in bank([m.backbone.layers for m in models]).items():
+        setattr(banked.backbone.layers, name, param)
+    return banked
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_bank_of_adapters_scores_each_row_as_its_own_adapter_does(moe):
+    """Three adapters on one base in one forward (adapter_ids picks each row's): every row's
+    logits are those of its own adapted model, on a dense model and on a MoE model's attention
+    and shared experts; adapters on routed experts cannot be banked."""
+    from ppo_setup import TINY, TINY_MOE
+
+    from opd_jax.models import Decoder
+
+    config = TINY_MOE if moe else TINY
+    lora = LoraConfig(rank=3, alpha=6.0, targets=("q_proj", "o_proj", "gate_proj", "down_proj") if moe
+                      else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    models = []
+    for seed in range(3):
+        model = Decoder(config, rngs=nnx.Rngs(0)).add_lora(lora, nnx.Rngs(10 + seed))
+        if moe:  # only the shared experts of the MLP names: drop the routed experts' adapters
+            for name in [n for n in vars(model.backbone.layers) if n.startswith("expert_") and "_lora_" in n]:
+                delattr(model.backbone.layers, name)
+        _randomise_b(model, seed=seed)
+        models.append(model)
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (6, 7)).astype(np.int32)
+    ids = np.asarray([2, 0, 1, 1, 2, 0], np.int32)
+    ours = np.asarray(_bank_of(models)(jnp.asarray(tokens), adapter_ids=jnp.asarray(ids)))
+    for b, i in enumerate(ids):
+        _close(ours[b], np.asarray(models[i](jnp.asarray(tokens[b:b + 1])))[0])
+    if moe:
+        routed = Decoder(config, rngs=nnx.Rngs(0)).add_lora(lora, nnx.Rngs(1))
+        with pytest.raises(ValueError, match="routed experts' adapters cannot be banked"):
+            bank([routed.backbone.layers, routed.backbone.layers])
+    other = Decoder(config, rngs=nnx.Rngs(0)).add_lora(LoraConfig(rank=2, alpha=4.0), nnx.Rngs(1))
+    with pytest.raises(ValueError, match="adapter 1 adapts other weights, or at another rank"):
+        bank([models[0].backbone.layers, other.backbone.layers])
+
+
+def test_adapter_dropout_drops_the_adapters_input_in_training_only(base_dir, tmp_path):
+    """LoRA dropout p (PEFT's lora_dropout): in training the adapter path sees x·m/(1−p), m ~
+    Bernoulli(1−p), the base path x whole, so the projection is unbiased (its mean over many masks
+    is the undropped one) and with B zero it is exact; without a key (scoring, rollouts) nothing
+    is dropped. A key gives the same masks again; the training key differs by step and batch.
+    PEFT's adapter_config carries p both ways; p outside [0, 1) is one line naming the key."""
+    from opd_jax.core.forward import training_key
+    from opd_jax.models.lora import Adapting, project
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+    w = {"q": jnp.asarray(rng.normal(size=(8, 2, 4)), jnp.float32),
+         "q_lora_a": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+         "q_lora_b": jnp.asarray(rng.normal(size=(3, 2, 4)), jnp.float32)}
+    plain = np.asarray(project("bth,hnd->btnd", x, w, "q", Adapting(scale=2.0)))
+    reference = np.einsum("bth,hnd->btnd", x, w["q"]) + 2.0 * np.einsum("bth,hr,rnd->btnd", x, w["q_lora_a"],
+                                                                          w["q_lora_b"])
+    _close(plain, reference, rtol=1e-5)
+    drop = jax.jit(jax.vmap(lambda k: project("bth,hnd->btnd", x, w, "q", Adapting(2.0, dropout=0.3, key=k))))
+    samples = np.asarray(drop(jax.random.split(jax.random.key(1), 20000)))
+    assert np.std(samples, axis=0).min() > 0.1  # masks are drawn
+    error = np.abs(samples.mean(axis=0) - plain) / (np.std(samples, axis=0) / np.sqrt(len(samples)))
+    assert error.max() < 5.0  # unbiased: within 5 standard errors everywhere
+    zero_b = {**w, "q_lora_b": jnp.zeros_like(w["q_lora_b"])}
+    dropped = project("bth,hnd->btnd", x, zero_b, "q", Adapting(2.0, dropout=0.3, key=jax.random.key(2)))
+    np.testing.assert_array_equal(np.asarray(dropped), np.asarray(jnp.einsum("bth,hnd->btnd", x, w["q"])))
+
+    model = _adapted(base_dir)
+    _randomise_b(model)
+    eval_logits = np.asarray(model(jnp.asarray(TOKENS)))
+    model.config = model.backbone.config = dataclasses.replace(model.config, lora=dataclasses.replace(
+        model.config.lora, dropout=0.5))
+    np.testing.assert_array_equal(np.asarray(model(jnp.asarray(TOKENS))), eval_logits)  # no key: no dropout
+    key = training_key(jnp.int32(3), jnp.asarray(TOKENS))
+    trained = np.asarray(model(jnp.asarray(TOKENS), dropout_key=key))
+    assert np.max(np.abs(trained - eval_logits)) > 1e-2
+    np.testing.assert_array_equal(np.asarray(model(jnp.asarray(TOKENS), dropout_key=key)), trained)
+    for other in (training_key(jnp.int32(4), jnp.asarray(TOKENS)), training_key(jnp.int32(3), jnp.asarray(TOKENS[::-1]))):
+        assert np.max(np.abs(np.asarray(model(jnp.asarray(TOKENS), dropout_key=other)) - trained)) > 1e-3
+
+    save_adapter(model, tmp_path / "adapter", base_model=str(base_dir))
+    assert read_adapter_config(tmp_path / "adapter").dropout == 0.5
+    with pytest.raises(ConfigError, match="model.lora.dropout"):
+        load_config("configs/quickstart.yaml", ["model.lora={dropout: 1.0}"], schema=TrainConfig)
+
+
+def test_the_training_steps_draw_the_adapters_dropout():
+    """PPO (policy and critic) and SFT steps on a LoRA model with dropout: the same step twice is
+    the same update (the masks come from the step and the batch), and it differs from the update
+    without dropout (at B = 0 dropout shows in B's gradient only); θ_old scoring draws none."""
+    from ppo_setup import STEP_CONFIG, TINY, scored_batch, step_optimizer
+
+    from opd_jax.core import PolicyState, ppo_step, sft_step
+    from opd_jax.models import Decoder
+
+    def ppo_update(dropout):
+        config = dataclasses.replace(TINY, lora=LoraConfig(rank=2, alpha=4.0, dropout=dropout))
+        policy = Decoder(config, rngs=nnx.Rngs(0))
+        critic = ValueModel.from_policy(policy, head_init="small", key=jax.random.key(1), scale=0.3)
+        state = PPOState.create(policy, critic, step_optimizer(), step_optimizer())
+        batch = scored_batch(state)
+        return batch, ppo_step(state, batch, config=STEP_CONFIG)[0], state
+
+    batch0, plain, _ = ppo_update(0.0)
+    batch, dropped, state = ppo_update(0.5)
+    np.testing.assert_array_equal(np.asarray(batch.logp_old), np.asarray(batch0.logp_old))  # scoring: none
+    again = ppo_step(state, batch, config=STEP_CONFIG)[0]
+    for part in ("policy", "critic"):
+        b_of = lambda s, p=part: np.asarray(getattr(s, p)["backbone"]["layers"]["q_lora_b"][...])  # noqa: E731
+        np.testing.assert_array_equal(b_of(again), b_of(dropped))
+        assert np.max(np.abs(b_of(dropped) - b_of(plain))) > 1e-6, part
+
+    policy = Decoder(dataclasses.replace(TINY, lora=LoraConfig(rank=2, alpha=4.0, dropout=0.5)), rngs=nnx.Rngs(0))
+    sft = PolicyState.create(policy, step_optimizer())
+    first, second = (sft_step(sft, batch)[0] for _ in range(2))
+    np.testing.assert_array_equal(*(np.asarray(s.params["backbone"]["layers"]["q_lora_b"][...]) for s in (first, second)))
 
 
 def test_a_target_the_decoder_lacks_is_one_error_naming_the_key_and_the_modules():
@@ -181,22 +305,55 @@ def test_a_qlora_run_killed_during_a_save_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_the_engine_runs_a_qlora_policy_as_the_trainer_computes_it(base_dir):
-    """A QLoRA policy (int8 base, trained adapters): the engine's copy (adapters merged into the
-    dequantized base, at the trainer's precision) gives the trainer's logits; the quantized base
-    is a different function from the full-precision one."""
+def test_the_engine_serves_a_qlora_policy_as_base_and_adapters_and_a_refit_moves_the_adapters(base_dir):
+    """A QLoRA policy (int8 base, trained adapters) in the embedded engine: the first update's
+    model is the dequantized base with the adapters kept, and gives the trainer's logits (the
+    quantized base is a different function from the full-precision one). A refit after more
+    training moves the adapters alone: the engine's base arrays are the very ones it held, and it
+    then gives the trainer's new logits, which the merged export gives too. An engine that
+    quantizes its weights (it quantizes the merged ones) is sent the merged model instead."""
+    from opd_jax.config.schema import QuantizationSection, RolloutSection
+    from opd_jax.models.lora import merged_params
     from opd_jax.models.quant import QuantScheme, quantize_decoder
-    from opd_jax.train.build import EngineNumerics, engine_model
+    from opd_jax.models.weights import build_from_params
+    from opd_jax.sampling import EmbeddedEngine, Sampler
+    from opd_jax.train.engines import weight_update
 
     model = _adapted(base_dir)
     _randomise_b(model)
     full = np.asarray(model(jnp.asarray(TOKENS)))
     quantize_decoder(model, QuantScheme("int8", "channel"))
     trainer = np.asarray(model(jnp.asarray(TOKENS)))
-    engine = engine_model(model.config, nnx.state(model, nnx.Param), EngineNumerics())
-    assert engine.config.lora is None
-    _close(np.asarray(engine(jnp.asarray(TOKENS))), trainer, rtol=1e-5)
     assert np.max(np.abs(trainer - full)) > 1e-4
+    first = weight_update(RolloutSection(), model.config, nnx.state(model, nnx.Param), None, 0)
+    sampler = Sampler(first.model())
+    served = lambda: nnx.merge(sampler.graphdef, sampler.state)  # noqa: E731
+    assert served().config.lora is not None
+    _close(np.asarray(served()(jnp.asarray(TOKENS))), trainer, rtol=1e-5)
+
+    base = lambda: jax.tree.leaves(nnx.state(served(), nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))  # noqa: E731
+    held = base()
+    _randomise_b(model, seed=7)  # as after more training steps
+    trainer = np.asarray(model(jnp.asarray(TOKENS)))
+    refit = weight_update(RolloutSection(), model.config, nnx.state(model, nnx.Param), None, 1)
+    refit = dataclasses.replace(refit, model=None)  # the engine must not ask for the whole model
+    asyncio.run(EmbeddedEngine(sampler).update_weights(refit))
+    assert all(a is b for a, b in zip(base(), held, strict=True)) and sampler.weight_version == 1
+    _close(np.asarray(served()(jnp.asarray(TOKENS))), trainer, rtol=1e-5)
+    # and decoding through its KV cache, the adapters on
+    engine, (B, T) = served(), TOKENS.shape
+    cache = KVCache.empty(engine.config, B, T, "float32")
+    _, cache, _ = engine.decode(jnp.asarray(TOKENS[:, :-1]), cache, positions=jnp.tile(jnp.arange(T - 1), (B, 1)))
+    last, _, _ = engine.decode(jnp.asarray(TOKENS[:, -1:]), cache, positions=jnp.full((B, 1), T - 1))
+    _close(np.asarray(last), trainer[:, -1], rtol=1e-5)
+    config, pure = merged_params(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    _close(np.asarray(build_from_params(type(model), config, pure)(jnp.asarray(TOKENS))), trainer, rtol=1e-5)
+
+    quantized = weight_update(RolloutSection(quantization=QuantizationSection(kind="int8")), model.config,
+                              nnx.state(model, nnx.Param), None, 2)
+    assert quantized.adapters is None and quantized.model().config.lora is None
+    with pytest.raises(ValueError, match="adapters of the names, shapes and dtypes"):
+        sampler.update_adapters({"backbone": {"layers": {}}}, 3)
 
 
 def test_a_checkpoint_holds_the_adapters_and_refuses_another_base(base_dir, tmp_path):

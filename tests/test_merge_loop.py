@@ -217,8 +217,8 @@ def test_local_teachers_score_only_their_own_rows(models, loss):
     local = LocalTeachers(list(DOMAINS), teachers, mesh, loss=loss, top_k=4, temperature=0.7)
     calls = []
     call = local._call
-    local._call = lambda graphdef, params, batch, **kw: calls.append(batch.tokens.shape[0]) or call(
-        graphdef, params, batch, **kw)
+    local._call = lambda graphdef, params, batch, ids, **kw: calls.append(batch.tokens.shape[0]) or call(
+        graphdef, params, batch, ids, **kw)
     batch = ragged_batch(7)
     index = np.asarray([2, 0, 2, 2, 0, 2, 2])  # teacher 1 ("max") has no rows here
     scores = local.score(batch, index)
@@ -344,8 +344,8 @@ def test_plan_from_an_experts_run(tmp_path, models):
 
 def test_lora_experts_share_one_base_and_score_as_their_merged_exports(models, tmp_path):
     """Three LoRA experts exported on one base (merged weights + adapter/ naming the base): the
-    local teachers hold the base once and the three adapters, and score each row as the merged
-    export of its expert does."""
+    local teachers hold the base once and the three adapters as one bank, and score each row (all
+    in one call, each with its expert's adapter) as the merged export of its expert does."""
     from opd_jax.merge.plan import TeacherSpec
     from opd_jax.merge.teachers import load_local_teachers
     from opd_jax.models import export_model
@@ -369,6 +369,7 @@ def test_lora_experts_share_one_base_and_score_as_their_merged_exports(models, t
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(load_model(base_dir)[0], nnx.Param)))
     assert merged.nbytes == 3 * base_bytes
     assert base_bytes < shared.nbytes < 1.2 * base_bytes  # one base + three rank-2 adapters
+    assert shared.groups == [[0, 1, 2]] and merged.groups == [[0], [1], [2]]  # a bank: the three in one call
     batch = ragged_batch(7)
     index = np.asarray([2, 0, 1, 2, 0, 1, 2])
     ours, reference = shared.score(batch, index), merged.score(batch, index)

@@ -128,6 +128,8 @@ class LoraSection(Section):
     """α: the update is scaled by α/r."""
     targets: Literal["all-linear"] | list[str] = "all-linear"
     """PEFT module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; an MLP name covers a MoE model's shared and routed experts too), or all-linear: all seven."""  # noqa: E501
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """PEFT's lora_dropout: in training, each input element of an adapter (not of its base weight) is zeroed with this probability and the rest scaled by 1/(1-p); scoring and rollouts run without it. Routed experts' adapters take none (they are folded into the experts' weights)."""  # noqa: E501
     base_quantization: QuantizationSection = QuantizationSection()
     """QLoRA: the frozen base's matmul weights held in an engine format (fp8, int8, int4; as rollout.quantization), dequantized layer by layer in the forward; the adapters train in model.dtype."""  # noqa: E501
 
@@ -143,7 +145,7 @@ class LoraSection(Section):
     def spec(self) -> LoraConfig:
         """The adapters as the model builds them."""
         targets = tuple(MODULES) if self.targets == ALL_LINEAR else tuple(self.targets)
-        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets)
+        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets, dropout=self.dropout)
 
 
 class ModelSection(Section):

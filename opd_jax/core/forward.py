@@ -37,6 +37,8 @@ def _run(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll:
         out = model(batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask, unroll=unroll,
                     **kwargs)
         return out, batch.tokens, lambda x: x
+    if kwargs.get("adapter_ids") is not None:
+        raise ValueError("adapter_ids pick an adapter per row: run an unpacked batch (batch.unpacked())")
     valid = batch.attention_mask > 0
     tokens, positions, segments, routing = pack_tokens(batch.tokens, batch.positions, valid, batch.pack_row,
                                                        batch.pack_offset, batch.packing, extra=kwargs.get("routing"))
@@ -52,29 +54,35 @@ def _with_ids(router: RouterInfo | None, back: Callable[[jax.Array], jax.Array])
 
 
 def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
-                    temperature: float = 1.0, with_router: bool = False, replay: bool = False
+                    temperature: float = 1.0, with_router: bool = False, replay: bool = False,
+                    adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None
                     ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
     """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V] (with
     with_router, also what a MoE model's routers did, None for a dense model). A batch with the
     engine's routing (batch.routing) is compared with the model's own (the flip fraction) and,
-    with replay, used for every token the engine routed (R3)."""
+    with replay, used for every token the engine routed (R3). adapter_ids [B]: a decoder whose
+    adapters are a bank (`models.lora.bank`), the adapter each row runs with. dropout_key: a
+    training pass (`training_key`): LoRA adapters drop their inputs as `LoraConfig.dropout` says."""
     (logits, router), _, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
-                                     replay=jnp.asarray(replay), return_routing=True)
+                                     replay=jnp.asarray(replay), return_routing=True, adapter_ids=adapter_ids,
+                                     dropout_key=dropout_key)
     logits = back(logits / temperature if temperature != 1.0 else logits)
     return (logits, _with_ids(router, back)) if with_router else logits
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                       with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0,
-                      with_router: bool = False, replay: bool = False) -> tuple[jax.Array, ...]:
+                      with_router: bool = False, replay: bool = False, dropout_key: jax.Array | None = None
+                      ) -> tuple[jax.Array, ...]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature):
 
         logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]
 
-    Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense)."""
+    Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense).
+    dropout_key: as `sequence_logits`'."""
     (logits, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
-                                          replay=jnp.asarray(replay), return_routing=True)
+                                          replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key)
     logits = logits / temperature if temperature != 1.0 else logits
     # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
     # token (never trained on), and set to 0 as the padded path has it
@@ -85,14 +93,25 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
 
 
 def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                    unroll: int | bool = 1) -> jax.Array:
-    """V(tokens[:t]) at each position t: the critic's output on the prefix before token t."""
-    return shift_right(_values(graphdef, params, batch, unroll))
+                    unroll: int | bool = 1, dropout_key: jax.Array | None = None) -> jax.Array:
+    """V(tokens[:t]) at each position t: the critic's output on the prefix before token t.
+    dropout_key: as `sequence_logits`'."""
+    return shift_right(_values(graphdef, params, batch, unroll, dropout_key))
 
 
-def _values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool = 1) -> jax.Array:
-    values, _, back = _run(graphdef, params, batch, unroll)
+def _values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool = 1,
+            dropout_key: jax.Array | None = None) -> jax.Array:
+    values, _, back = _run(graphdef, params, batch, unroll, dropout_key=dropout_key)
     return back(values)
+
+
+def training_key(step: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The key of a training pass's dropout (LoRA's): folded from the step and a hash of the
+    (micro-)batch's tokens, so each step and micro-batch draws its own masks, and a resumed run
+    draws the same ones with no key in its state."""
+    weights = jnp.arange(tokens.size, dtype=jnp.uint32).reshape(tokens.shape) * jnp.uint32(2654435761) + 1
+    digest = jnp.sum(tokens.astype(jnp.uint32) * weights, dtype=jnp.uint32)  # wraps mod 2^32
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), step), digest)
 
 
 def values_and_final(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch) -> tuple[jax.Array, jax.Array]:

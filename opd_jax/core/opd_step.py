@@ -38,7 +38,7 @@ from flax import nnx
 from opd_jax.core.advantages import group_advantages
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.forward import RoutingReplay, policy_logprobs, sequence_logits
+from opd_jax.core.forward import RoutingReplay, policy_logprobs, sequence_logits, training_key
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_metrics, mismatch_weights
@@ -149,16 +149,20 @@ def score_student(state: PolicyState, batch: RolloutBatch, *, temperature: float
 
 
 def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, loss: DistillLoss,
-                   top_k: int = 32, temperature: float = 1.0, microbatches: int = 1) -> dict[str, jax.Array]:
+                   top_k: int = 32, temperature: float = 1.0, microbatches: int = 1,
+                   adapter_ids: jax.Array | None = None) -> dict[str, jax.Array]:
     """What one teacher says of the rows in `batch`, zero off the response mask:
 
         logp_teacher[b, t]      = log π_t(tokens[b, t] | tokens[b, :t])            always
         teacher_logprobs[b, t]  = log π_t(· | tokens[b, :t]) over the vocabulary    loss "full"
         (teacher_logprobs, teacher_ids)[b, t] = its top_k entries                   loss "top_k"
 
-    π_t = softmax(teacher logits / temperature). Keys are DistillBatch's field names."""
-    def one(b: RolloutBatch) -> dict[str, jax.Array]:
-        logits = sequence_logits(graphdef, params, b, temperature=temperature).astype(jnp.float32)
+    π_t = softmax(teacher logits / temperature). Keys are DistillBatch's field names. A teacher
+    whose adapters are a bank (`models.lora.bank`: LoRA teachers on one base) scores row b with
+    adapter adapter_ids[b]: many teachers in one call."""
+    def one(rows: tuple[RolloutBatch, jax.Array | None]) -> dict[str, jax.Array]:
+        b, ids = rows
+        logits = sequence_logits(graphdef, params, b, temperature=temperature, adapter_ids=ids).astype(jnp.float32)
         m = b.response_mask.astype(jnp.float32)
         out = {"logp_teacher": token_logprobs(logits, b.tokens)[0] * m}
         if loss != "sampled":
@@ -169,7 +173,7 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
                 values, ids = jax.lax.top_k(dist, top_k)
                 out["teacher_logprobs"], out["teacher_ids"] = values, ids.astype(jnp.int32)
         return out
-    return map_rows(one, batch, microbatches)
+    return map_rows(one, (batch, adapter_ids), microbatches)
 
 
 # --- the step -------------------------------------------------------------------------------
@@ -268,7 +272,7 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
     def loss_fn(p, t: _OPDTargets):
         rollout = t.batch.rollout
         logits = sequence_logits(state.graphdef, p, rollout, unroll=config.update.layer_unroll, temperature=temperature,
-                                 replay=config.routing_replay == "r3")
+                                 replay=config.routing_replay == "r3", dropout_key=training_key(state.step, rollout.tokens))
         logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}

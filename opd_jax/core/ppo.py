@@ -37,7 +37,7 @@ from flax import nnx
 from opd_jax.core import algorithms  # noqa: F401  (registers the algorithm files' parts)
 from opd_jax.core.advantages import gae, outcome_rewards, whiten
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.forward import RoutingReplay, sequence_logprobs, sequence_values, values_and_final
+from opd_jax.core.forward import RoutingReplay, sequence_logprobs, sequence_values, training_key, values_and_final
 from opd_jax.core.losses import (
     KLKind,
     SurrogateConfig,
@@ -274,7 +274,8 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
     def loss_fn(p, t: _PPOTargets):
         logp, entropy, router = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
                                                   unroll=config.update.layer_unroll, temperature=temperature,
-                                                  with_router=True, replay=config.routing_replay == "r3")
+                                                  with_router=True, replay=config.routing_replay == "r3",
+                                                  dropout_key=training_key(state.step, t.batch.tokens))
         weights = current_policy_weights(t.weights, logp, t.batch.logp_infer, t.mask, surrogate.mismatch, t.advantages)
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
                                     eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=weights,
@@ -307,7 +308,8 @@ def _critic_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
     normalizer = jnp.sum(targets.mask)
 
     def loss_fn(p, t: _PPOTargets):
-        values = sequence_values(state.critic_def, p, t.batch, unroll=config.update.layer_unroll)
+        key = jax.random.fold_in(training_key(state.step, t.batch.tokens), 1)  # not the policy's masks
+        values = sequence_values(state.critic_def, p, t.batch, unroll=config.update.layer_unroll, dropout_key=key)
         loss, metrics = value_loss(values, t.batch.old_values, t.returns, t.mask, clip=config.value_clip,
                                    normalizer=normalizer)
         return loss, {**metrics, "loss": summed_loss(loss)}

@@ -6,7 +6,7 @@ import jax
 from flax import nnx
 
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.forward import sequence_logprobs
+from opd_jax.core.forward import sequence_logprobs, training_key
 from opd_jax.core.losses import aggregate
 from opd_jax.core.metrics import unwrap
 from opd_jax.core.optim import loss_scale_of
@@ -24,7 +24,8 @@ def sft_step(state: PolicyState, batch: RolloutBatch, *, router_balance_coef: fl
     moe_layers = nnx.merge(state.graphdef, state.params).config.moe_layers
 
     def loss_fn(params):
-        logp, _, router = sequence_logprobs(state.graphdef, params, batch, unroll=True, with_router=True)
+        logp, _, router = sequence_logprobs(state.graphdef, params, batch, unroll=True, with_router=True,
+                                            dropout_key=training_key(state.step, batch.tokens))
         loss, _, count = aggregate(-logp, batch.response_mask, "token-mean")
         metrics = {"loss": loss, "tokens": count}
         if router is not None:

@@ -5,6 +5,7 @@ can reach training, with the teacher named when it is not."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -26,6 +27,7 @@ from opd_jax.merge.plan import TeacherSpec
 from opd_jax.merge.routing import check_teacher_compatible
 from opd_jax.models import Decoder, ModelConfig, ModelFormatError, Tokenizer, load_model
 from opd_jax.models.adapter_io import load_adapter
+from opd_jax.models.lora import bank, is_adapter
 from opd_jax.models.weights import build_from_params
 from opd_jax.parallel import DEFAULT_RULES, batch_shardings, batch_shards, shard, tree_shardings, under_mesh
 from opd_jax.train import sglang_engine
@@ -117,23 +119,51 @@ class Teachers(Protocol):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "top_k", "temperature", "microbatches"))
-def _score(graphdef, params, batch, *, loss, top_k, temperature, microbatches):
+def _score(graphdef, params, batch, adapter_ids, *, loss, top_k, temperature, microbatches):
     return teacher_scores(graphdef, params, batch, loss=loss, top_k=top_k, temperature=temperature,
-                          microbatches=microbatches)
+                          microbatches=microbatches, adapter_ids=adapter_ids)
+
+
+def _groups(models: Sequence[Decoder]) -> list[list[int]]:
+    """The teachers that run as one call: LoRA teachers on one base's arrays (the same arrays, one
+    LoraConfig, no adapters on routed experts) form a bank; any other teacher runs alone."""
+    groups: dict[Any, list[int]] = {}
+    for i, model in enumerate(models):
+        key: Any = i
+        if model.config.lora is not None and not any(is_adapter(k) and k.startswith("expert_")
+                                                     for k in vars(model.backbone.layers)):
+            base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+            key = (dataclasses.replace(model.config.lora, dropout=0.0),  # scoring draws no dropout
+                   tuple(id(x) for x in jax.tree.leaves(base)))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _banked(models: Sequence[Decoder]) -> Decoder:
+    """One decoder on the first model's base arrays holding every model's adapters as a bank."""
+    model = nnx.merge(*nnx.split(models[0]))  # new modules on the same arrays
+    for name, param in bank([m.backbone.layers for m in models]).items():
+        setattr(model.backbone.layers, name, param)
+    return model
 
 
 class LocalTeachers:
     """Teachers as JAX models on the mesh, each one's parameters sharded by the logical-axis rules
     (many small teachers, or a few large ones). The rows of a batch are grouped by teacher on the
-    host; only the teachers a batch needs run, each on its own rows, padded to a power-of-two
-    bucket (a multiple of the data-parallel shards and micro-batches) so a few compiled shapes
-    serve every step. Teachers of one architecture share the compiled scoring function."""
+    host; only the teachers a batch needs run, padded to a power-of-two bucket (a multiple of the
+    data-parallel shards and micro-batches) so a few compiled shapes serve every step. LoRA
+    teachers on one base are one bank: the base is placed once and all their rows run in one
+    call, each row with its teacher's adapter (`models.lora.project`'s rows). Teachers of one
+    architecture share the compiled scoring function."""
 
     def __init__(self, names: Sequence[str], models: Sequence[Decoder], mesh: Mesh, *, loss: DistillLoss,
-                 top_k: int = 32, temperature: float = 1.0, microbatches: int = 1, rules=DEFAULT_RULES):
+                 top_k: int = 32, temperature: float = 1.0, microbatches: int = 1, rules=DEFAULT_RULES,
+                 banks: bool = True):
         self.names = list(names)
         self.mesh, self.rules = mesh, rules
         self.options = {"loss": loss, "top_k": top_k, "temperature": temperature, "microbatches": microbatches}
+        # banks=False: a call per teacher even on one base (what benchmarks/bench_lora_teachers.py sets beside it)
+        self.groups = _groups(models) if banks else [[i] for i in range(len(models))]
         self._graphdefs, self._params = [], []
         placed: dict[int, jax.Array] = {}  # id(array) -> its placement: teachers sharing a base hold it once
 
@@ -144,7 +174,8 @@ class LocalTeachers:
                 return placed[id(x)]
             return jax.tree.map(once, variable)
 
-        for model in models:
+        for group in self.groups:
+            model = models[group[0]] if len(group) == 1 else _banked([models[i] for i in group])
             graphdef, params = nnx.split(model, nnx.Param)
             self._graphdefs.append(graphdef)
             self._params.append(jax.tree.map(place, tree_shardings(params, mesh, rules), params,
@@ -167,15 +198,24 @@ class LocalTeachers:
         elif loss == "top_k":
             out["teacher_logprobs"] = np.zeros((B, T, k), np.float32)
             out["teacher_ids"] = np.zeros((B, T, k), np.int32)
-        for teacher in np.unique(teacher_index):
-            rows = np.flatnonzero(teacher_index == teacher)
+        for g, group in enumerate(self.groups):
+            rows = np.flatnonzero(np.isin(teacher_index, group))
+            if not len(rows):
+                continue
             # padding repeats a real row (an all-padding row has no key to attend to)
             take = np.concatenate([rows, np.full(self._bucket(len(rows)) - len(rows), rows[0])])
             sub = jax.tree.map(lambda x: x[take], host)
             sub = shard(sub, batch_shardings(sub, self.mesh, self.rules))
-            scores = _to_host(self._call(self._graphdefs[teacher], self._params[teacher], sub, **self.options))
+            ids = None
+            if len(group) > 1:  # a bank: row b runs with its teacher's adapter
+                ids = np.searchsorted(group, teacher_index[take]).astype(np.int32)
+                ids = shard(ids, batch_shardings(ids, self.mesh, self.rules))
+            scores = _to_host(self._call(self._graphdefs[g], self._params[g], sub, ids, **self.options))
             scores = {name: np.asarray(v)[:len(rows)] for name, v in scores.items()}
-            _check_scores(self.names[teacher], rows, scores, host.response_mask[rows])
+            for teacher in np.unique(teacher_index[rows]):
+                mine = teacher_index[rows] == teacher
+                _check_scores(self.names[teacher], rows[mine], {n: v[mine] for n, v in scores.items()},
+                              host.response_mask[rows[mine]])
             for name, values in scores.items():
                 out[name][rows] = values
         return out

@@ -63,7 +63,7 @@ def save_adapter(model: Decoder, path: str | os.PathLike, *, base_model: str | N
         tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-              "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": list(lora.targets), "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
               "modules_to_save": None, "base_model_name_or_path": base_model}
     (path / CONFIG).write_text(json.dumps(config, indent=2))
@@ -91,7 +91,8 @@ def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
         targets = list(MODULES) if targets == "all-linear" else [targets]
     names = sorted({t.rsplit(".", 1)[-1] for t in targets or []})
     try:
-        return LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), targets=tuple(names))
+        return LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), targets=tuple(names),
+                          dropout=float(raw.get("lora_dropout") or 0.0))
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(f"{file}: {e}") from None
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig
-from opd_jax.models.lora import LoraConfig, add_adapters, base_name, merge_adapters, project
+from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
 from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -132,23 +132,27 @@ _MOE_MLP = ("router", "router_bias", "expert_gate", "expert_up", "expert_down", 
             "shared_down")
 
 
-def _lora_scale(config: ModelConfig) -> float:
-    return 1.0 if config.lora is None else config.lora.scale
+def _adapting(config: ModelConfig, adapter_ids: jax.Array | None, dropout_key: jax.Array | None) -> Adapting:
+    if config.lora is None:
+        return Adapting()
+    return Adapting(config.lora.scale, adapter_ids, config.lora.dropout, dropout_key if config.lora.dropout else None)
 
 
-def _dense_mlp(h: jax.Array, w: dict[str, jax.Array], scale: float = 1.0) -> jax.Array:
-    gated = jax.nn.silu(project("bth,hi->bti", h, w, "gate", scale)) * project("bth,hi->bti", h, w, "up", scale)
-    return project("bti,ih->bth", gated, w, "down", scale)
+def _dense_mlp(h: jax.Array, w: dict[str, jax.Array], lora: Adapting = Adapting()) -> jax.Array:
+    gated = jax.nn.silu(project("bth,hi->bti", h, w, "gate", lora)) * project("bth,hi->bti", h, w, "up", lora)
+    return project("bti,ih->bth", gated, w, "down", lora)
 
 
 def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced: jax.Array | None,
-             replay: jax.Array | None, valid: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+             replay: jax.Array | None, valid: jax.Array, lora: Adapting = Adapting()
+             ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Routed experts (+ shared experts) on h [B, T, H]; returns the output and (expert ids used
     [B, T, k], f [E], P [E], z-loss, flip fraction) over the valid [B, T] tokens (`router_stats`).
     forced: an engine's expert ids [B, T, k] (-1 where it has none): used where replay [B, T]
     is set (routing replay), and compared with this model's own choice (the flip fraction)."""
     B, T, H = h.shape
-    w = merge_adapters(w, _lora_scale(config))  # the ragged expert matmuls take whole weights
+    routed = merge_adapters({k: v for k, v in w.items() if k.startswith("expert_")}, lora.scale)
+    w = {**{k: v for k, v in w.items() if not k.startswith("expert_")}, **routed}  # ragged matmuls take whole weights
     flat = h.reshape(B * T, H)
     logits = jnp.einsum("nh,he->ne", flat.astype(jnp.float32), w["router"].astype(jnp.float32))
     ids, gates = route(logits, config.moe, w.get("router_bias"))
@@ -161,7 +165,8 @@ def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced:
         ids, gates = route(logits, config.moe, w.get("router_bias"), forced=chosen)
     out = experts_ragged(flat, ids, gates, w["expert_gate"], w["expert_up"], w["expert_down"]).reshape(B, T, H)
     if "shared_gate" in w:
-        out = out + _dense_mlp(h, {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]})
+        shared = {k.removeprefix("shared_"): v for k, v in w.items() if k.startswith("shared_")}
+        out = out + _dense_mlp(h, shared, lora)
     return out, (ids.reshape(B, T, -1), *router_stats(logits, ids, valid.reshape(-1)), flips)
 
 
@@ -230,14 +235,13 @@ def _from_cache(x: jax.Array, scale: jax.Array | None, dtype: Any) -> jax.Array:
 
 def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
                      inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple | None,
-                     layer: jax.Array | None, write_at: jax.Array | None):
+                     layer: jax.Array | None, write_at: jax.Array | None, lora: Adapting = Adapting()):
     """x + attention(norm(x)). With a cache (k, v, k_scale, v_scale), k/v are written into the
     all-layer cache arrays in place (at [layer, :, write_at]) and the layer's slots written so far
     are attended over, as the cache holds them (`_cache_attention`)."""
     dt = x.dtype
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
-    scale = _lora_scale(config)
-    q, k, v = (project("bth,hnd->btnd", h, w, name, scale) for name in ("q", "k", "v"))
+    q, k, v = (project("bth,hnd->btnd", h, w, name, lora) for name in ("q", "k", "v"))
     if config.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if config.qk_norm:
@@ -248,7 +252,7 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
     if cache_kv is not None:
         stored = []
         for new, cache, scales in zip((k, v), cache_kv[:2], cache_kv[2:]):
-            value, scale = _to_cache(new, cache.dtype)
+            value, value_scale = _to_cache(new, cache.dtype)
             stored_dtype = cache.dtype
             if stored_dtype.itemsize < 4:  # written as raw bits: XLA:CPU updates a float8 or 16-bit
                 # float array by converting all of it (the whole cache, every layer, every step)
@@ -257,20 +261,20 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
             if write_at.ndim == 0:
                 cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
                 if scales is not None:
-                    scales = jax.lax.dynamic_update_slice(scales, scale[None], (layer, 0, write_at, 0))
+                    scales = jax.lax.dynamic_update_slice(scales, value_scale[None], (layer, 0, write_at, 0))
             else:  # a slot per row: scatter each row's T new entries at its own write position
-                rows = jnp.arange(value.shape[0])[:, None]
+                at_row = jnp.arange(value.shape[0])[:, None]
                 cols = write_at[:, None] + jnp.arange(value.shape[1])[None]
-                cache = cache.at[layer, rows, cols].set(value, mode="drop")
+                cache = cache.at[layer, at_row, cols].set(value, mode="drop")
                 if scales is not None:
-                    scales = scales.at[layer, rows, cols].set(scale, mode="drop")
+                    scales = scales.at[layer, at_row, cols].set(value_scale, mode="drop")
             stored.append((jax.lax.bitcast_convert_type(cache, stored_dtype), scales))
         (cache_k, k_scale), (cache_v, v_scale) = stored
         cache_kv = (cache_k, cache_v, k_scale, v_scale)
         attn = _cache_attention(q, cache_kv, layer, allowed, jnp.max(write_at) + q.shape[1], dt)
     else:
         attn = _attention(q, k, v, allowed)
-    out = project("btnd,ndh->bth", attn, w, "o", scale)
+    out = project("btnd,ndh->bth", attn, w, "o", lora)
     if config.o_bias:
         out = out + w["o_bias"]
     return x + out, cache_kv
@@ -305,7 +309,8 @@ class Backbone(nnx.Module):
 
     def forward(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                 attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
-                replay: jax.Array | None = None, segment_ids: jax.Array | None = None
+                replay: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None
                 ) -> tuple[jax.Array, RouterInfo | None]:
         """The training forward, without a cache: (final hidden states [B, T, hidden], RouterInfo
         of a MoE model or None).
@@ -318,7 +323,9 @@ class Backbone(nnx.Module):
         routing replay, R3) and compared with this model's own routing (RouterInfo.flip_fraction)
         everywhere; the RouterInfo holds the expert ids used and the routers' statistics per MoE
         layer. segment_ids: int [B, T], packed rows: a token attends only to earlier tokens of its
-        own segment (give positions restarting at each segment).
+        own segment (give positions restarting at each segment). adapter_ids: int [B], a model
+        whose adapters are a bank (`lora.bank`): the adapter each row runs with. dropout_key: a
+        training pass's key for the adapters' dropout (`LoraConfig.dropout`; none without it).
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -327,7 +334,8 @@ class Backbone(nnx.Module):
         if segment_ids is not None:
             chex.assert_shape(segment_ids, (B, T))
             allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay)
+        hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay,
+                                       _adapting(self.config, adapter_ids, dropout_key))
         return hidden, info
 
     def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
@@ -349,7 +357,8 @@ class Backbone(nnx.Module):
             key_valid = cache.valid.at[jnp.arange(B)[:, None], query_slot].set(mask, mode="drop")
         allowed = key_valid[:, None, :] & (jnp.arange(cache.slots)[None, None, :] <= query_slot[:, :, None])
         kv = (cache.k, cache.v, cache.k_scale, cache.v_scale)
-        hidden, kv, info = self._layers(tokens, positions, mask, allowed, kv, write_at, 1, None, None)
+        hidden, kv, info = self._layers(tokens, positions, mask, allowed, kv, write_at, 1, None, None,
+                                        _adapting(self.config, None, None))
         return hidden, KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T, k_scale=kv[2],
                                v_scale=kv[3]), info
 
@@ -365,7 +374,7 @@ class Backbone(nnx.Module):
 
     def _layers(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array, allowed: jax.Array, kv: Any,
                 write_at: jax.Array | None, unroll: int | bool, routing: jax.Array | None,
-                replay: jax.Array | None) -> tuple[jax.Array, Any, RouterInfo | None]:
+                replay: jax.Array | None, lora: Adapting) -> tuple[jax.Array, Any, RouterInfo | None]:
         """Embedding, every layer (attention where `allowed` [B, T, keys]; keys and values written
         into `kv` at `write_at` when there is a cache) and the final norm."""
         B, T = tokens.shape
@@ -388,12 +397,13 @@ class Backbone(nnx.Module):
             x, kv = carry
             p, m, f, layer = layer_in
             w = {name: value.astype(dt) for name, value in p.items()}
-            x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at)
+            adapting = lora.at(layer)
+            x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting)
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             m = {name: value if name.startswith("router") else value.astype(dt) for name, value in m.items()}
             if kind == "dense":
-                return (x + _dense_mlp(h, m, _lora_scale(config)), kv), None
-            out, info = _moe_mlp(config, h, m, f, replay, mask)
+                return (x + _dense_mlp(h, m, adapting), kv), None
+            out, info = _moe_mlp(config, h, m, f, replay, mask, adapting)
             return (x + out, kv), info
 
         used = []
@@ -441,11 +451,13 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
-                 replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None
+                 replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None,
+                 adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
         """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone.forward)."""
         hidden, info = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
-                                             routing=routing, replay=replay, segment_ids=segment_ids)
+                                             routing=routing, replay=replay, segment_ids=segment_ids,
+                                             adapter_ids=adapter_ids, dropout_key=dropout_key)
         return (self.logits(hidden), info) if return_routing else self.logits(hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -29,9 +29,9 @@ class ValueModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
         hidden, _ = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
-                                          segment_ids=segment_ids)
+                                          segment_ids=segment_ids, dropout_key=dropout_key)
         # The head runs in float32 whatever the backbone's dtype: values feed GAE's long sums.
         return hidden.astype(jnp.float32) @ self.value_head[...] + self.value_bias[...]
 

@@ -40,6 +40,7 @@ DEFAULT_RULES: LogicalRules = (
     ("head_dim", None),
     ("norm", None),
     ("lora_rank", None),  # a LoRA adapter's inner dimension (small; its other axis is sharded as the weight's)
+    ("lora_adapter", None),  # the adapters of a bank (LoRA teachers on one base; each is small)
 )
 
 

@@ -211,7 +211,7 @@ class EmbeddedEngine:
                 self._queue.clear()
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        if update.model is None:
+        if update.model is None and update.adapters is None:
             raise EngineError("the embedded engine takes the model in memory; this update has none")
         self._ensure()
         self._refits_waiting += 1  # the driver admits nothing more; requests queue for the new weights
@@ -219,7 +219,10 @@ class EmbeddedEngine:
             async with self._lock:
                 if self._waiting:  # asked for before this update: served by the weights they were asked of
                     await self._generate_waiting()
-                self.sampler.update_weights(update.model(), update.version)
+                if update.adapters is not None and (self.sampler.config.lora is not None or update.model is None):
+                    self.sampler.update_adapters(update.adapters(), update.version)  # the base stays
+                else:
+                    self.sampler.update_weights(update.model(), update.version)
         finally:
             self._refits_waiting -= 1
             self._drive()

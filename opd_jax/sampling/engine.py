@@ -146,6 +146,21 @@ class Sampler:
         graphdef, state = nnx.split(model)
         if graphdef != self.graphdef:
             raise ValueError("update_weights needs a model of the same architecture and dtypes")
+        self._serve(state, weight_version)
+
+    def update_adapters(self, adapters: dict[str, Any], weight_version: int) -> None:
+        """Swap in new LoRA adapters (`nnx.to_pure_dict` of a model's `nnx.LoRAParam` state, in
+        this sampler's dtypes) on the base it holds: nothing else is copied. ValueError when this
+        sampler's model has no such adapters (other names, shapes or dtypes)."""
+        held = nnx.to_pure_dict(nnx.state(nnx.merge(self.graphdef, self.state), nnx.LoRAParam))
+        shape = lambda tree: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype).name), tree)  # noqa: E731
+        if not held or shape(held) != shape(adapters):
+            raise ValueError("update_adapters needs adapters of the names, shapes and dtypes this model holds")
+        state = jax.tree.map(lambda x: x, self.state)  # new variables on the same arrays: a decode under way keeps its own
+        nnx.replace_by_pure_dict(state, adapters)
+        self._serve(state, weight_version)
+
+    def _serve(self, state: nnx.State, weight_version: int) -> None:
         self.state, self.weight_version = state, weight_version
         if self.prefix_store is not None:  # its KV is the old weights'
             self.prefix_store.clear()

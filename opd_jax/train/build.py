@@ -15,7 +15,7 @@ from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelFormatError, family_defaults
-from opd_jax.models.lora import merged_params
+from opd_jax.models.lora import adapts_routed_experts, dequantized_params, merged_params
 from opd_jax.models.moe import MoEConfig
 from opd_jax.models.quant import QuantScheme, quantize_decoder
 from opd_jax.models.weights import build_from_params
@@ -106,14 +106,28 @@ class EngineNumerics:
         return out
 
 
+def serves_adapters(config: Any, numerics: EngineNumerics, noise: float) -> bool:
+    """Whether the engine runs a LoRA policy as base + adapters, and so a refit moves only the
+    adapters (`engine_adapters`): not where it quantizes the weights (it quantizes the merged
+    ones), nor with weight noise (every weight moves), nor with adapters on routed experts (their
+    forward would merge every expert's adapter at each decode step)."""
+    return (config.lora is not None and numerics.quantization is None and not noise
+            and not adapts_routed_experts(config))
+
+
 def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, noise: float = 0.0,
-                 version: int = 0) -> Decoder:
+                 version: int = 0, adapters: bool = True) -> Decoder:
     """The policy as the rollout engine runs it: its parameters cast to the engine's dtype, which
     may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real, and its
     matmul weights quantized as `numerics` says (from the cast weights); `noise` adds
     N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one. A policy with
-    LoRA adapters is run merged: each adapter folded into its base weight."""
-    config, pure = merged_params(config, nnx.to_pure_dict(params))
+    LoRA adapters runs as base + adapters where `serves_adapters`, else merged (each adapter
+    folded into its base weight; adapters=False: merged in any case); a QLoRA base is dequantized."""
+    pure = nnx.to_pure_dict(params)
+    if adapters and serves_adapters(config, numerics, noise):
+        pure = dequantized_params(pure)
+    else:
+        config, pure = merged_params(config, pure)
     if noise:
         leaves, tree = jax.tree.flatten(pure)
         keys = jax.random.split(jax.random.key(version), len(leaves))
@@ -124,6 +138,13 @@ def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, no
     cast = jax.tree.map(lambda x: jnp.array(x, dtype=numerics.dtype, copy=True), pure)
     model = build_from_params(Decoder, config, cast, compute_dtype=numerics.dtype)
     return model if numerics.quantization is None else quantize_decoder(model, numerics.quantization)
+
+
+def engine_adapters(params: nnx.State, numerics: EngineNumerics) -> dict[str, Any]:
+    """A LoRA policy's adapters alone in the engine's dtype (a copy: the train step donates its
+    parameters): what a refit moves to an engine that serves adapters."""
+    adapters = nnx.to_pure_dict(nnx.filter_state(params, nnx.LoRAParam))
+    return jax.tree.map(lambda x: jnp.array(x, dtype=numerics.dtype, copy=True), adapters)
 
 
 def encode_prompt(example: Example, tokenizer: Tokenizer, chat_template: bool) -> list[int]:

@@ -5,6 +5,7 @@ merge's teachers alike. Also the weight update the loop hands to whichever engin
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from opd_jax.config.schema import SGLangClientSection
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, save_model
 from opd_jax.sampling import EmbeddedEngine, Sampler
 from opd_jax.sampling.prefix_cache import prefix_tokens
-from opd_jax.train.build import EngineNumerics, engine_model
+from opd_jax.train.build import EngineNumerics, engine_adapters, engine_model, serves_adapters
 from rollout_bridge.pipe import EngineThread
 from rollout_bridge.protocol import WeightUpdate
 from rollout_bridge.servers import LaunchSpec, ServerGroup
@@ -27,12 +28,18 @@ from rollout_bridge.sglang_engine import SGLangEngine
 
 def weight_update(rollout: RolloutSection, model_config: ModelConfig, params: nnx.State, tokenizer: Tokenizer,
                   version: int) -> WeightUpdate:
-    """Version `version` of the policy, in the engine's dtype, in memory or as an HF directory."""
-    def model() -> Decoder:
-        return engine_model(model_config, params, EngineNumerics.of(rollout), noise=rollout.inject_weight_noise,
-                            version=version)
+    """Version `version` of the policy, in the engine's dtype, in memory or as an HF directory (a
+    LoRA policy's merged), and a LoRA policy's adapters alone where the engine serves them."""
+    numerics = EngineNumerics.of(rollout)
 
-    return WeightUpdate(version, model=model, save_hf=lambda directory: save_model(model(), directory, tokenizer))
+    def model() -> Decoder:
+        return engine_model(model_config, params, numerics, noise=rollout.inject_weight_noise, version=version)
+
+    adapters = None
+    if serves_adapters(model_config, numerics, rollout.inject_weight_noise):
+        adapters = functools.partial(engine_adapters, params, numerics)
+    return WeightUpdate(version, model=model, save_hf=lambda directory: save_model(model(), directory, tokenizer),
+                        adapters=adapters)
 
 
 # sglang-jax's online weight-only quantization configs (--quantization-config-path, built in from
