@@ -84,8 +84,25 @@ class DType(enum.StrEnum):
     float16 = "float16"
 
 
+def _checked_text(text: Any, hint: str, where: str = "") -> None:
+    """BadParameter for text a tokenizer cannot take: bytes that were not UTF-8 (the shell's
+    `$'\\xff'`, kept by Python as lone surrogates) or a lone surrogate from a JSON escape."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        what = (f"the byte {ord(char) - 0xDC00:#04x}, which is not UTF-8" if 0xDC80 <= ord(char) <= 0xDCFF
+                else f"a lone surrogate \\u{ord(char):04x}")
+        raise typer.BadParameter(f"{where}holds {what} at character {e.start + 1}; give UTF-8 text",
+                                 param_hint=hint) from None
+
+
 def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[Path],
               prompt_ids: Optional[str]) -> list[dict[str, Any]]:
+    for p in prompt:
+        _checked_text(p, "--prompt")
     requests: list[dict[str, Any]] = [{"prompt": p} for p in prompt]
     if messages is not None:
         try:
@@ -95,6 +112,8 @@ def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[P
         if not isinstance(parsed, list) or not all(isinstance(m, dict) and "role" in m for m in parsed):
             raise typer.BadParameter('expected a JSON list like [{"role": "user", "content": "..."}]',
                                      param_hint="--messages")
+        for m in parsed:
+            _checked_text(m.get("content"), "--messages")
         requests.append({"messages": parsed})
     if prompt_ids is not None:
         try:
@@ -117,6 +136,9 @@ def _requests(prompt: list[str], messages: Optional[str], input_file: Optional[P
             if not isinstance(record, dict) or not ({"prompt", "messages", "prompt_ids"} & record.keys()):
                 raise typer.BadParameter(f"line {n}: needs a 'prompt', 'messages' or 'prompt_ids' field",
                                          param_hint="--input")
+            _checked_text(record.get("prompt"), "--input", f"line {n}: the prompt ")
+            for m in record.get("messages") or []:
+                _checked_text(m.get("content") if isinstance(m, dict) else None, "--input", f"line {n}: a message ")
             requests.append(record)
     if not requests:
         raise typer.BadParameter("give --prompt, --messages, --prompt-ids or --input")

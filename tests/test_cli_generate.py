@@ -81,3 +81,12 @@ def test_bad_input_is_reported(tmp_path):
     assert result.exit_code != 0 and "has no tokenizer" in result.output
     result, _ = run(tmp_path, "--prompt-ids", "1," * 200 + "1", "--max-new-tokens", "8")
     assert result.exit_code != 0 and "cache slots" in result.output
+    # bytes that are not UTF-8 (the shell's $'3+4=\xff' reaches Python as a lone surrogate) and a
+    # JSON-escaped lone surrogate: one line each, before the model is loaded
+    result, _ = run(tmp_path, "-p", "3+4=\udcff")
+    assert result.exit_code == 2 and "holds the byte 0xff, which is not UTF-8 at character 5" in result.output
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "ok"}\n{"prompt": "a\\ud800b"}\n')
+    result, _ = run(tmp_path, "--input", lines)
+    assert result.exit_code == 2 and "line 2: the prompt holds a lone surrogate \\ud800 at character 2" in result.output
+    assert "Traceback" not in result.output

@@ -19,6 +19,9 @@ from opd_jax.data import (
     train_prompts,
     validation_prompts,
 )
+from opd_jax.envs.calculator import CalculatorEnv
+from opd_jax.envs.gridworld import GridworldEnv
+from opd_jax.envs.search import SearchEnv
 from opd_jax.rewards import VERIFIERS, compute_rewards, exact_match, load_reward_fn, numeric_match
 
 
@@ -105,6 +108,8 @@ def test_jsonl_reads_prompts_messages_and_names_bad_lines(tmp_path):
             r"""bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at column 17: """
             r"""'\{"prompt": "y", answer: 2\}'\)""",
         '{"prompt": "x"}\n': r'bad.jsonl:1: missing "answer"',
+        '{"prompt": "2+2=", "answer": "4"\n':  # a line cut short of its closing brace
+            r"bad.jsonl:1: not valid JSON \(the line ends before its JSON does: Expecting ',' delimiter; a closing brace",
         '{"prompt": "x", "messages": [], "answer": 1}\n': r'bad.jsonl:1: needs exactly one of "prompt" and "messages"',
         '[1, 2]\n': r"bad.jsonl:1: each line must be a JSON object",
         '{"messages": [{"role": "user"}], "answer": 1}\n': r'bad.jsonl:1: "messages" must be a non-empty list',
@@ -176,8 +181,96 @@ def test_a_domains_held_out_and_validation_prompts_do_not_depend_on_the_mix():
     assert validation_prompts(mixed, 8)["parity"] == validation_prompts(alone, 8)["parity"]
     held_out = {e.prompt for e in eval_prompts(mixed)["addition"]}
     validation = [e.prompt for e in validation_prompts(mixed, 32)["addition"]]
-    assert np.mean([p in held_out for p in validation]) < 0.5  # 2-digit sums: overlaps only by chance
+    assert not held_out & set(validation)
     assert source_domains(mixed.train[1]) == {"parity"}
+
+
+def _content(example):
+    """An example's problem, recomputed from what it is (the prompt text; an episode's secret,
+    map or problem text read off the environment it builds), not through the split's own keys."""
+    if example.episode is None:
+        return example.prompt
+    spec = example.episode
+    env = {"search": SearchEnv, "gridworld": GridworldEnv, "calculator": CalculatorEnv}[spec.environment](
+        spec.seed, spec.split, **spec.params)
+    if spec.environment == "search":
+        return ("search", env.secret)
+    if spec.environment == "gridworld":
+        return ("gridworld", env.wall.tobytes(), env.pos, env.goal)
+    return ("calculator", env.problem)
+
+
+# every built-in domain at parameters whose problem space is small (the case where a held-out
+# draw could land on a training problem), and every built-in environment
+_SMALL = {"addition": {"digits": 1}, "multiplication": {"digits": 1}, "reverse": {"min_len": 2, "max_len": 3},
+          "sort": {"min_len": 2, "max_len": 3}, "count": {"min_len": 2, "max_len": 5}, "parity": {"min_len": 2, "max_len": 5},
+          "max": {"min_len": 2, "max_len": 2, "hi": 9}, "copy_edit": {"min_len": 2, "max_len": 2},
+          "chain": {"steps": 1, "hi": 4}, "long_count": {"min_span": 2, "max_span": 4, "hi": 20},
+          "word_problems": {"hi": 3}}
+_SOURCES = ([f"{{builtin: {name}, params: {json.dumps(params)}}}" for name, params in _SMALL.items()]
+            + ["{environment: search, params: {hi: 31}}", "{environment: gridworld, params: {size: 4}}",
+               "{environment: calculator}"])
+
+
+@pytest.mark.parametrize("source", _SOURCES)
+def test_no_held_out_problem_is_ever_trained_on_or_validated_on(source):
+    """Over several data seeds: the held-out problems are distinct, and none of them is in the
+    training stream (the RL stream and the warm start's), the validation draw or the teachers'
+    samples, over many draws; the training stream does reach the rest of a small space."""
+    assert set(_SMALL) == set(DOMAINS)
+    for seed in (0, 1, 7):
+        data = load_config(None, [f"data.train=[{source}]", "data.eval_prompts_per_domain=5", f"data.seed={seed}"]).data
+        (held_out,) = eval_prompts(data).values()
+        held = [_content(e) for e in held_out]
+        assert len(set(held)) == len(held) == 5
+        trained = {_content(e) for e in take(iter(train_prompts(data)), 600)}
+        trained |= {_content(e) for e in take(iter(train_prompts(data, seed_offset=7919)), 200)}
+        validation = {_content(e) for draw in ("validation", "teacher_samples")
+                      for e in next(iter(validation_prompts(data, 100, draw=draw).values()))}
+        assert not set(held) & (trained | validation), source
+
+
+def test_a_small_problem_space_is_split_exactly_and_a_split_it_cannot_give_is_refused():
+    """One-digit addition: 100 problems, a quarter held out, exactly, whatever the seed; training
+    reaches every other one. Asking for more held-out problems than the quarter holds is one
+    error naming the domain and its size."""
+    for seed in range(4):
+        data = load_config(None, ["data.train=[{builtin: addition, params: {digits: 1}}]", f"data.seed={seed}",
+                                  "data.eval_prompts_per_domain=25"]).data
+        held = {e.prompt for e in eval_prompts(data)["addition"]}
+        trained = {e.prompt for e in take(iter(train_prompts(data)), 3000)}
+        assert len(held) == 25 and len(trained) == 75 and not held & trained
+    other = load_config(None, ["data.train=[{builtin: addition, params: {digits: 1}}]", "data.seed=1",
+                               "data.eval_prompts_per_domain=25"]).data
+    assert {e.prompt for e in eval_prompts(other)["addition"]} != held  # another seed, another quarter
+    data = load_config(None, ["data.train=[{builtin: parity, params: {min_len: 2, max_len: 4}, eval_prompts: 8}]"]).data
+    with pytest.raises(DataError, match=r"^data.train\[0\] \(parity .*\): 8 held-out problems asked for, but its problem "
+                       r"space of 28 problems holds only 7 in its held-out share \(0.25\)"):
+        eval_prompts(data)
+    data = load_config(None, ["data.train=[{environment: search, params: {hi: 15}}]", "data.held_out_share=0.5",
+                              "data.eval_prompts_per_domain=9"]).data
+    with pytest.raises(DataError, match=r"environment search .* space of 16 problems holds only 8"):
+        eval_prompts(data)
+
+
+@pytest.mark.parametrize("name", DOMAINS)
+def test_a_domains_problem_space_is_what_it_draws(name):
+    """The size docs/config.md and the refusal give, against the distinct prompts of many draws."""
+    source = ProceduralSource(name, params=_SMALL[name])
+    rng = np.random.default_rng(0)
+    drawn = {source.sample(rng)[0] for _ in range(60 * source.space)}
+    assert len(drawn) == source.space, name
+
+
+def test_held_out_jsonl_prompts_that_are_also_training_prompts_are_warned_of(tmp_path, capsys):
+    from opd_jax.train.preflight import check_data
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in range(5)))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in (3, 9)))
+    data = load_config(None, [f"data.train=[{{jsonl: {tmp_path / 'train.jsonl'}, eval_jsonl: {tmp_path / 'eval.jsonl'}}}]"]).data
+    check_data(data, None, None, 8)
+    assert ("warning: data.train[0]: 1 of the 2 held-out prompts (eval.jsonl:1 first) are also training prompts"
+            in capsys.readouterr().err)
 
 
 def test_a_math_source_is_judged_by_math_verify(tmp_path):

@@ -84,6 +84,23 @@ def test_apply_update_divides_out_the_scale_and_grows_it_after_its_period():
     assert float(opt2.loss_scale) == 8.0 and float(metrics["skipped_nonfinite"]) == 1.0
 
 
+def test_bfloat16_weights_keep_bfloat16_optimizer_state_under_a_float16_loss_scale():
+    """model.dtype=bfloat16 with compute_dtype=float16: the unscaled gradients are float32, which
+    turned Adam's moments float32 at the first update, so the PPO step's skip branch (the
+    value warm-up's) no longer had the update's types and failed to trace."""
+    tx = loss_scaled(optax.adam(1e-3), initial=8.0)
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    opt = tx.init(params)
+    new, new_opt, _ = apply_update(tx, params, opt, {"w": jnp.asarray([8.0, -16.0, 4.0], jnp.bfloat16)})
+    assert new["w"].dtype == jnp.bfloat16
+    assert jax.tree.map(lambda a: a.dtype, new_opt) == jax.tree.map(lambda a: a.dtype, opt)
+    step = jax.jit(functools.partial(ppo_step, config=PPOConfig(value_warmup_steps=1), group_size=1))
+    state = make_state(make_optimizer(SGD, compute_dtype="float16"), make_optimizer(SGD, compute_dtype="float16"),
+                       compute_dtype="float16", param_dtype=jnp.bfloat16)
+    new_state, metrics = step(state, scored_batch(state))  # traced both branches: no type mismatch
+    assert float(metrics["policy/trained"]) == 0.0
+
+
 def test_a_float16_run_trains_with_its_loss_scale_and_float16_parameters_are_refused(tmp_path):
     import json
 

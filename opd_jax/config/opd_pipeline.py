@@ -220,7 +220,8 @@ class MergeConfig(Section):
 
     # what a resumed merge cannot change without --force: the student's shapes, its teachers, its prompts
     resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "experts_dir", "student", "grow", "teachers.paths", "teachers.domains",
-                                               "mix", "data.train", "data.seed", "data.chat_template",
+                                               "mix", "data.train", "data.seed", "data.held_out_share",
+                                               "data.chat_template",
                                                "teacher_samples.per_domain", "teacher_samples.correct_only")
 
     experts_dir: str | None = None

@@ -339,6 +339,8 @@ class SourceSpec(Section):
     """A JSONL file of {prompt or messages, answer, domain} records."""
     eval_jsonl: str | None = None
     """Held-out prompts of a JSONL source (built-in domains draw their own)."""
+    eval_prompts: int | None = Field(None, gt=0)
+    """Held-out problems of this built-in domain or environment; unset: data.eval_prompts_per_domain."""
     verifier: VerifierName | None = None
     """How a JSONL source's responses are judged: exact text, the last number, or math (boxed or plain answers, LaTeX, through math-verify); unset: numeric for numeric answers, else exact."""  # noqa: E501
     environment: str | None = None
@@ -362,6 +364,9 @@ class SourceSpec(Section):
             raise ValueError("params apply to built-in domains and environments only")
         if self.verifier is not None and self.jsonl is None:
             raise ValueError("verifier applies to JSONL sources (built-in domains and environments judge their own)")
+        if self.eval_prompts is not None and self.jsonl is not None:
+            raise ValueError("eval_prompts applies to built-in domains and environments (a JSONL source's held-out "
+                             "prompts are its eval_jsonl)")
         if self.domain is not None and self.environment is None:
             raise ValueError("domain names an environment's episodes; prompt sources carry their own")
         return self
@@ -380,7 +385,9 @@ class DataSection(Section):
     prompts_per_step: int = Field(8, gt=0)
     """Prompts per training step (each sampled samples_per_prompt times)."""
     eval_prompts_per_domain: int = Field(32, gt=0)
-    """Held-out prompts per domain for the accuracy evaluation."""
+    """Held-out problems per built-in domain or environment for the accuracy evaluation: distinct, and never in training or validation (a source's eval_prompts overrides it)."""  # noqa: E501
+    held_out_share: float = Field(0.25, gt=0, le=0.5)
+    """The share of each built-in domain's and environment's problems held out from training, chosen by a hash of each problem's content and data.seed (docs/config.md, 'Held-out problems'); the held-out prompts are drawn from it."""  # noqa: E501
     chat_template: bool = False
     """Wrap plain prompts in the model's chat template."""
     reward_fn: str | None = None
@@ -390,7 +397,7 @@ class DataSection(Section):
     run naming the function and the sample; skip drops the sample from the loss (and from held-out
     accuracy) and counts it in reward/bad_samples."""
     seed: int = 0
-    """Seed of the prompt stream."""
+    """Seed of the prompt streams and of which problems are held out."""
 
     @property
     def has_environments(self) -> bool:
@@ -493,7 +500,8 @@ class TrainConfig(Section):
     """`opd-jax train`: PPO (or GRPO) on the policy's own rollouts."""
 
     # what a resumed run cannot change without --force: its checkpoints' shapes, its prompt stream
-    resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "model", "data.train", "data.seed", "data.chat_template",
+    resume_fixed: ClassVar[tuple[str, ...]] = ("seed", "model", "data.train", "data.seed", "data.held_out_share",
+                                               "data.chat_template",
                                                "algorithm.ppo.advantage")
 
     steps: int = Field(100, gt=0)

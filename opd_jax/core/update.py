@@ -163,7 +163,9 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
     opt_state cover the trainable part of params (`split_trainable`); the rest is kept as it is."""
     params, frozen = split_trainable(params)
     scale = loss_scale_of(opt_state)
-    grads = scale.unscale(grads)
+    # unscaling divides by a float32 scale: back to each weight's dtype, or a bfloat16 model's
+    # optimizer state would turn float32 at its first update (and differ from a skipped update's)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), scale.unscale(grads), params)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
     updates, new_opt = tx.update(grads, opt_state, params)

@@ -57,6 +57,12 @@ class Domain:
             raise ValueError(f"domain {self.name!r} does not take these parameters {sorted(params)}: {e}") from None
 
 
+def _sized(sample: Sampler, space: int) -> Sampler:
+    """The sampler, knowing how many distinct prompts it can draw (its problem space)."""
+    sample.space = space
+    return sample
+
+
 def _numbers(rng, count, lo, hi):
     return [int(x) for x in rng.integers(lo, hi + 1, count)]
 
@@ -65,28 +71,28 @@ def _addition(digits: int = 2):
     def sample(rng):
         a, b = _numbers(rng, 2, 0, 10**digits - 1)
         return f"{a}+{b}=", str(a + b)
-    return sample
+    return _sized(sample, (10**digits) ** 2)
 
 
 def _multiplication(digits: int = 1):
     def sample(rng):
         a, b = _numbers(rng, 2, 0, 10**digits - 1)
         return f"{a}*{b}=", str(a * b)
-    return sample
+    return _sized(sample, (10**digits) ** 2)
 
 
 def _reverse(min_len: int = 3, max_len: int = 6):
     def sample(rng):
         s = "".join(map(str, _numbers(rng, int(rng.integers(min_len, max_len + 1)), 0, 9)))
         return f"reverse {s}:", s[::-1]
-    return sample
+    return _sized(sample, sum(10**n for n in range(min_len, max_len + 1)))
 
 
 def _sort(min_len: int = 3, max_len: int = 5):
     def sample(rng):
         xs = _numbers(rng, int(rng.integers(min_len, max_len + 1)), 0, 9)
         return f"sort {' '.join(map(str, xs))}:", " ".join(map(str, sorted(xs)))
-    return sample
+    return _sized(sample, sum(10**n for n in range(min_len, max_len + 1)))
 
 
 def _count(min_len: int = 4, max_len: int = 8, letters: str = "ab"):
@@ -94,21 +100,21 @@ def _count(min_len: int = 4, max_len: int = 8, letters: str = "ab"):
         s = "".join(rng.choice(list(letters), int(rng.integers(min_len, max_len + 1))))
         target = letters[0]
         return f"count {target} in {s}:", str(s.count(target))
-    return sample
+    return _sized(sample, sum(len(letters) ** n for n in range(min_len, max_len + 1)))
 
 
 def _parity(min_len: int = 3, max_len: int = 8):
     def sample(rng):
         bits = "".join(map(str, _numbers(rng, int(rng.integers(min_len, max_len + 1)), 0, 1)))
         return f"parity {bits}:", "odd" if bits.count("1") % 2 else "even"
-    return sample
+    return _sized(sample, sum(2**n for n in range(min_len, max_len + 1)))
 
 
 def _maximum(min_len: int = 3, max_len: int = 5, hi: int = 99):
     def sample(rng):
         xs = _numbers(rng, int(rng.integers(min_len, max_len + 1)), 0, hi)
         return f"max {' '.join(map(str, xs))}:", str(max(xs))
-    return sample
+    return _sized(sample, sum((hi + 1) ** n for n in range(min_len, max_len + 1)))
 
 
 def _copy_edit(min_len: int = 4, max_len: int = 7):
@@ -118,7 +124,8 @@ def _copy_edit(min_len: int = 4, max_len: int = 7):
         old = s[int(rng.integers(0, len(s)))]
         new = str(rng.choice([c for c in "xyz"]))
         return f"copy {s} with {old}->{new}:", s.replace(old, new)
-    return sample
+    # (string, a letter it holds, x/y/z): each of the 8 letters is in 8^n - 7^n strings of length n
+    return _sized(sample, sum(8 * (8**n - 7**n) * 3 for n in range(min_len, max_len + 1)))
 
 
 def _chain(steps: int = 3, hi: int = 9):
@@ -130,7 +137,7 @@ def _chain(steps: int = 3, hi: int = 9):
             value = value + x if op == "+" else value - x if op == "-" else value * x
             text += f"{op}{x}"
         return f"chain {text}=", str(value)
-    return sample
+    return _sized(sample, (hi + 1) * (3 * (hi + 1)) ** steps)
 
 
 def _long_count(min_span: int = 8, max_span: int = 16, hi: int = 50):
@@ -139,7 +146,7 @@ def _long_count(min_span: int = 8, max_span: int = 16, hi: int = 50):
         a = int(rng.integers(0, hi))
         b = a + int(rng.integers(min_span, max_span + 1))
         return f"list {a} to {b}:", " ".join(str(i) for i in range(a, b + 1))
-    return sample
+    return _sized(sample, hi * (max_span - min_span + 1))
 
 
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
@@ -158,7 +165,8 @@ def _word_problems(hi: int = 20):
             a, b = max(a, b), min(a, b)
             return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", str(a - b)
         return f"{name} buys {a} boxes with {b} {item} in each. How many {item} is that in all?", str(a * b)
-    return sample
+    # name x item x (a, b) for "gets more" and "buys", (larger, smaller) for "gives away"
+    return _sized(sample, len(_NAMES) * len(_ITEMS) * (2 * hi * hi + hi * (hi + 1) // 2))
 
 
 DOMAINS: dict[str, Domain] = {d.name: d for d in (

@@ -4,37 +4,69 @@ state that checkpoints and restores exactly; plus the fixed held-out set per dom
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from typing import TYPE_CHECKING, Any
 
 import grain
+import numpy as np
 
 from opd_jax.data.domains import Example
-from opd_jax.data.sources import EnvironmentSource, ProceduralSource, read_jsonl
+from opd_jax.data.sources import DataError, EnvironmentSource, ProceduralSource, read_jsonl
+from opd_jax.data.splits import Partition, distinct, enumerate_space
 
 if TYPE_CHECKING:  # the config schema validates domains through opd_jax.data, so no import cycle here
     from opd_jax.config import DataSection, SourceSpec
 
 
-def _source(spec: SourceSpec, seed: int, split: str) -> grain.MapDataset:
+def _stream(spec: SourceSpec, data: DataSection, seed: int, split: str) -> ProceduralSource | EnvironmentSource:
+    """A built-in domain's or an environment's stream, on the split's side of the run's partition."""
+    region = partition(spec, data.seed, data.held_out_share)
     if spec.builtin is not None:
-        return grain.MapDataset.source(ProceduralSource(spec.builtin, seed=seed, split=split, params=spec.params))
-    if spec.environment is not None:
-        return grain.MapDataset.source(_episodes(spec, seed, split))
+        return ProceduralSource(spec.builtin, seed=seed, split=split, params=spec.params, partition=region)
+    return EnvironmentSource(spec.environment, domain=spec.domain_name, seed=seed, split=split, params=spec.params,
+                             partition=region)
+
+
+@functools.lru_cache(maxsize=256)
+def _partition(builtin: str | None, environment: str | None, domain: str, params: str, seed: int,
+               share: float) -> Partition:
+    region = Partition(seed=seed, share=share)
+    rng = np.random.default_rng(0)  # any stream that reaches every problem: only the set counts
+    if builtin is not None:
+        source = ProceduralSource(builtin, params=json.loads(params))
+        draw = lambda: source.sample(rng)[0]  # noqa: E731
+    else:
+        source = EnvironmentSource(environment, domain=domain, params=json.loads(params))
+        draw = lambda: source.key_of_seed(int(rng.integers(2**31)))  # noqa: E731
+    if source.space is None:
+        return region
+    space = enumerate_space(draw, source.space)
+    return region if space is None else region.exact(space)
+
+
+def partition(spec: SourceSpec, seed: int, share: float) -> Partition:
+    """A source's held-out region under a data seed and share (opd_jax.data.splits): exact in a
+    problem space small enough to enumerate."""
+    return _partition(spec.builtin, spec.environment, spec.domain_name if spec.environment else "",
+                      json.dumps(spec.params, sort_keys=True), seed, share)
+
+
+def _source(spec: SourceSpec, data: DataSection, seed: int) -> grain.MapDataset:
+    if spec.jsonl is None:
+        return grain.MapDataset.source(_stream(spec, data, seed, "train"))
     return grain.MapDataset.source(read_jsonl(spec.jsonl, spec.verifier)).shuffle(seed=seed)
 
 
-def _episodes(spec: SourceSpec, seed: int, split: str) -> EnvironmentSource:
-    return EnvironmentSource(spec.environment, domain=spec.domain_name, seed=seed, split=split, params=spec.params)
-
-
-def train_prompts(data: DataSection, *, process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-    """An endless, deterministic stream of training Examples for this process. Iterate it with
-    `iter(...)`; the iterator's get_state()/set_state() checkpoint the position."""
+def train_prompts(data: DataSection, *, process_index: int = 0, process_count: int = 1,
+                  seed_offset: int = 0) -> grain.IterDataset:
+    """An endless, deterministic stream of training Examples for this process, none of them held
+    out. Iterate it with `iter(...)`; the iterator's get_state()/set_state() checkpoint the
+    position. `seed_offset` moves the streams (a warm start's own draw) but not the held-out region."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-    parts = [_source(spec, data.seed + i, "train").repeat() for i, spec in enumerate(data.train)]
+    parts = [_source(spec, data, data.seed + seed_offset + i).repeat() for i, spec in enumerate(data.train)]
     mixed = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [s.weight for s in data.train])
     return mixed[process_index::process_count].to_iter_dataset()
 
@@ -46,18 +78,41 @@ def _source_seed(spec: SourceSpec) -> int:
     return zlib.crc32(json.dumps([name, spec.params], sort_keys=True).encode())
 
 
+# draws in a row that bring no new held-out problem before a region counts as exhausted
+_PATIENCE = 2_000
+
+
+def held_out_count(spec: SourceSpec, data: DataSection) -> int:
+    """How many held-out problems the source asks for (its own eval_prompts, else the data section's)."""
+    return spec.eval_prompts if spec.eval_prompts is not None else data.eval_prompts_per_domain
+
+
+def _held_out(spec: SourceSpec, index: int, data: DataSection) -> list[Example]:
+    """The source's first held_out_count distinct problems of the held-out region; DataError
+    naming the source and its problem space when the region holds fewer."""
+    stream = _stream(spec, data, data.seed + _source_seed(spec), "eval")
+    count = held_out_count(spec, data)
+    found = distinct(lambda j: stream[j], stream.key, count, patience=_PATIENCE)
+    if len(found) < count:
+        name = spec.builtin or f"environment {spec.environment}"
+        space = "of unknown size" if stream.space is None else f"of {stream.space:,} problems"
+        raise DataError(f"data.train[{index}] ({name} {spec.params or ''}): {count} held-out problems asked for, but its "
+                        f"problem space {space} holds only {len(found)} in its held-out share "
+                        f"({data.held_out_share:g}); ask for at most {len(found)} "
+                        f"(data.train[{index}].eval_prompts or data.eval_prompts_per_domain), raise data.held_out_share "
+                        f"(at most 0.5), or widen the domain's params")
+    return found
+
+
 def eval_prompts(data: DataSection) -> dict[str, list[Example]]:
-    """The held-out prompts per domain: for built-in domains the first eval_prompts_per_domain of
-    their eval stream; for JSONL sources the `eval_jsonl` file when one is given."""
+    """The held-out problems per domain, distinct and never trained on: for built-in domains and
+    environments the first eval_prompts_per_domain (or the source's eval_prompts) problems of
+    their held-out region (opd_jax.data.splits); for JSONL sources the `eval_jsonl` file when one
+    is given."""
     out: dict[str, list[Example]] = {}
-    for spec in data.train:
-        if spec.builtin is not None:
-            source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec), split="eval",
-                                      params=spec.params)
-            examples = [source[j] for j in range(data.eval_prompts_per_domain)]
-        elif spec.environment is not None:  # held-out episodes: the environment's eval split
-            episodes = _episodes(spec, data.seed + _source_seed(spec), "eval")
-            examples = [episodes[j] for j in range(data.eval_prompts_per_domain)]
+    for i, spec in enumerate(data.train):
+        if spec.jsonl is None:
+            examples = _held_out(spec, i, data)
         elif spec.eval_jsonl is not None:
             examples = read_jsonl(spec.eval_jsonl, spec.verifier)
         else:
@@ -73,20 +128,16 @@ _DRAW_SEED_OFFSETS = {"validation": 104_729, "teacher_samples": 130_363}
 
 
 def validation_prompts(data: DataSection, per_domain: int, *, draw: str = "validation") -> dict[str, list[Example]]:
-    """Prompts apart from the held-out set, per domain, for choosing a hyper-parameter (a merge
+    """Prompts outside the held-out region, per domain, for choosing a hyper-parameter (a merge
     scale, say) without looking at the held-out prompts, or for the teachers to answer (draw
-    "teacher_samples"): for built-in domains `per_domain` draws from a training stream of the
-    draw's own seed, for JSONL sources the file's first lines."""
+    "teacher_samples"): for built-in domains and environments `per_domain` draws from a training
+    stream of the draw's own seed, for JSONL sources the file's first lines."""
     offset = _DRAW_SEED_OFFSETS[draw]
     out: dict[str, list[Example]] = {}
     for spec in data.train:
-        if spec.builtin is not None:
-            source = ProceduralSource(spec.builtin, seed=data.seed + _source_seed(spec) + offset,
-                                      split="train", params=spec.params)
+        if spec.jsonl is None:
+            source = _stream(spec, data, data.seed + _source_seed(spec) + offset, "train")
             examples = [source[j] for j in range(per_domain)]
-        elif spec.environment is not None:
-            episodes = _episodes(spec, data.seed + _source_seed(spec) + offset, "train")
-            examples = [episodes[j] for j in range(per_domain)]
         else:
             examples = read_jsonl(spec.jsonl, spec.verifier)[:per_domain]
         for example in examples:

@@ -4,14 +4,17 @@ procedural domains, as random-access sequences a grain pipeline can index, shuff
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from opd_jax.data.domains import EpisodeSpec, Example, get_domain
+from opd_jax.data.splits import Partition
 from opd_jax.errors import OpdJaxError
+
+T = TypeVar("T")
 
 SPLITS = {"train": 0, "eval": 1}
 
@@ -32,7 +35,10 @@ def utf8_line(raw: bytes, number: int) -> str:
 
 def json_problem(error: json.JSONDecodeError) -> str:
     """'<what> at column N: ...<the text there>...' for a one-line JSON document."""
-    line = error.doc.splitlines()[error.lineno - 1] if error.doc.splitlines() else ""
+    if error.pos >= len(error.doc.rstrip("\r\n")):  # the parser ran off the end of the line
+        return f"the line ends before its JSON does: {error.msg}; a closing brace, bracket or quote is missing?"
+    lines = error.doc.split("\n")  # not splitlines(): a line cut short ends at a newline it does not hold
+    line = lines[error.lineno - 1] if error.lineno <= len(lines) else ""
     start = max(0, error.colno - 21)
     shown = ("..." if start else "") + line[start:error.colno + 20] + ("..." if error.colno + 20 < len(line) else "")
     return f"{error.msg} at column {error.colno}: {shown.strip()!r}"
@@ -91,42 +97,99 @@ def read_jsonl(path: str | Path, verifier: str | None = None) -> list[Example]:
     return examples
 
 
+def _redrawn(partition: Partition, split: str, attempt: Callable[[int], T], key: Callable[[T], str],
+             what: str, space: int | None) -> T:
+    item = partition.draw(split, attempt, key)
+    if item is None:
+        raise DataError(f"{what}: its problem space ({_size(space)}) holds no {'held-out' if split == 'eval' else 'training'} "
+                        f"problem at data.held_out_share {partition.share}; give it a larger problem space")
+    return item
+
+
+def _size(space: int | None) -> str:
+    return "of unknown size" if space is None else f"{space:,} problems"
+
+
 class ProceduralSource(Sequence):
-    """Example i of a built-in domain's stream: drawn from np.random.default_rng([seed, split, i]),
-    so any host can produce any index, and train and eval streams never share a generator."""
+    """Example i of a built-in domain's stream: drawn from np.random.default_rng([seed, split, i,
+    attempt]) for attempt 0, 1, ... until the problem lies on the split's side of the partition
+    (held out for "eval", not held out otherwise; opd_jax.data.splits), so any host can produce
+    any index, and no held-out problem is ever in a training stream."""
 
     def __init__(self, domain: str, *, seed: int = 0, split: str = "train", size: int = 10**9,
-                 params: dict[str, Any] | None = None):
+                 params: dict[str, Any] | None = None, partition: Partition = Partition()):
         self.domain = get_domain(domain)
         self.sample = self.domain.sampler(**(params or {}))
-        self.seed, self.split, self.size = seed, SPLITS[split], size
+        self.seed, self.split, self.size, self.partition = seed, split, size, partition
+        self.what = f"{self.domain.name} {params or {}}"
+
+    @property
+    def space(self) -> int:
+        """How many distinct prompts the domain with these parameters has."""
+        return self.sample.space
 
     def __len__(self) -> int:
         return self.size
 
+    def key(self, example: Example) -> str:
+        """What makes two of its examples the same problem: the prompt."""
+        return example.prompt
+
     def __getitem__(self, index: int) -> Example:
         if not 0 <= index < self.size:
             raise IndexError(index)
-        prompt, answer = self.sample(np.random.default_rng([self.seed, self.split, index]))
+        split = SPLITS[self.split]
+        prompt, answer = _redrawn(self.partition, self.split,
+                                  lambda n: self.sample(np.random.default_rng([self.seed, split, index, n])),
+                                  lambda drawn: drawn[0], self.what, self.space)
         return Example(prompt=prompt, answer=answer, domain=self.domain.name,
-                       uid=f"{self.domain.name}/{'train' if self.split == 0 else 'eval'}/{index}")
+                       uid=f"{self.domain.name}/{self.split}/{index}")
 
 
 class EnvironmentSource(Sequence):
     """Episode i of an environment's stream: its seed drawn from np.random.default_rng([seed,
-    split, i]), so any host can create any episode, and training and held-out episodes differ."""
+    split, i, attempt]) until the episode's content (the environment's `problem_key()`, or the
+    seed where it has none) lies on the split's side of the partition, so any host can create
+    any episode, and no held-out episode is ever trained on."""
 
     def __init__(self, environment: str, *, domain: str, seed: int = 0, split: str = "train", size: int = 10**9,
-                 params: dict[str, Any] | None = None):
+                 params: dict[str, Any] | None = None, partition: Partition = Partition()):
+        from opd_jax.envs.protocol import load_environment  # envs import opd_jax.data's records
+
         self.environment, self.domain, self.params = environment, domain, dict(params or {})
-        self.seed, self.split, self.size = seed, split, size
+        self.seed, self.split, self.size, self.partition = seed, split, size, partition
+        self.factory = load_environment(environment)
+        space = getattr(self.factory, "problem_space", None)
+        self.space = space(**self.params) if space is not None else None
 
     def __len__(self) -> int:
         return self.size
 
+    def key_of_seed(self, episode_seed: int) -> str:
+        if not hasattr(self.factory, "problem_key"):
+            return f"{self.environment}\0seed {episode_seed}"
+        return f"{self.environment}\0{self.factory(episode_seed, self.split, **self.params).problem_key()}"
+
+    def key(self, example: Example) -> str:
+        """What makes two of its episodes the same problem: the environment's problem_key() (its
+        map, its secret), else the episode's seed."""
+        return self.key_of_seed(example.episode.seed)
+
     def __getitem__(self, index: int) -> Example:
         if not 0 <= index < self.size:
             raise IndexError(index)
-        episode_seed = int(np.random.default_rng([self.seed, SPLITS[self.split], index]).integers(2**31))
+        split = SPLITS[self.split]
+        episode_seed = _redrawn(
+            self.partition, self.split,
+            lambda n: int(np.random.default_rng([self.seed, split, index, n]).integers(2**31)),
+            self.key_of_seed, f"environment {self.environment} {self.params}", self.space)
         return Example(prompt=None, answer="", domain=self.domain, uid=f"{self.domain}/{self.split}/{index}",
                        episode=EpisodeSpec(self.environment, self.params, episode_seed, self.split))
+
+
+def problem_key(example: Example) -> str:
+    """What makes two examples the same problem: a prompt's text (or messages), an episode's
+    content."""
+    if example.episode is not None:
+        raise ValueError("an episode's problem key is its environment's (EnvironmentSource)")
+    return example.prompt if example.prompt is not None else json.dumps(example.messages)

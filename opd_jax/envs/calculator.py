@@ -89,6 +89,15 @@ class CalculatorEnv:
         self.answer = results[-1]
         self.max_calls, self.turns = max_calls, 0
 
+    @staticmethod
+    def problem_space(max_operand: int = 20, **_: object) -> int:
+        """An upper bound on distinct episodes: template x name x four operands."""
+        return len(_PROBLEMS) * len(_NAMES) * (max_operand - 1) ** 4
+
+    def problem_key(self) -> str:
+        """The episode's content (held-out splits keep equal ones apart): its problem text."""
+        return self.problem
+
     def reset(self) -> str:
         return self.problem + "\n"
 

@@ -46,6 +46,16 @@ class GridworldEnv:
             if distance is not None and distance >= min(min_distance, 2 * size - 2):
                 break
 
+    @staticmethod
+    def problem_space(size: int = 6, **_: object) -> int:
+        """An upper bound on distinct episodes: every wall pattern with every start and goal."""
+        return 2 ** (size * size) * (size * size) ** 2
+
+    def problem_key(self) -> str:
+        """The episode's content (held-out splits keep equal ones apart): its map, start and goal."""
+        walls = "".join("#" if w else "." for w in self.wall.ravel())
+        return f"{self.size}x{self.size} {walls} from {self.pos} to {self.goal}"
+
     def _open(self, cell: tuple[int, int]) -> str:
         r, c = cell
         return "".join(d for d, (dr, dc) in MOVES.items()

@@ -13,6 +13,12 @@ stands in for the rest. `info["success"]` (a bool) is what held-out success coun
 success means a positive total reward. An optional `expert()` returns the next turn's text of a
 good player, which the supervised warm start imitates.
 
+Held-out episodes differ from training ones by content (opd_jax.data.splits). An environment
+class may say what its content is: `problem_key()` (a string; episodes with equal keys are the
+same problem, like a map or a secret) and `problem_space(**params)` (how many distinct episodes
+there are, named when a split asks for more). Without `problem_key`, the episode seed stands for
+the content, so two seeds that build the same episode count as two problems.
+
 Users plug their own by import path, `data.train: [{environment: "my_pkg.envs:make"}]`, as
 reward functions are plugged; built-in ones by name (`calculator`, `gridworld`, `search`).
 """

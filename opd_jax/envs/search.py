@@ -32,6 +32,15 @@ class SearchEnv:
         self.lo, self.hi, self.max_guesses, self.hints = 0, hi, max_guesses, hints
         self.guesses = 0
 
+    @staticmethod
+    def problem_space(hi: int = 15, **_: object) -> int:
+        """Distinct episodes: one per secret."""
+        return hi + 1
+
+    def problem_key(self) -> str:
+        """The episode's content (held-out splits keep equal ones apart): its secret and range."""
+        return f"secret {self.secret} of 0-{self.hi}"
+
     def reset(self) -> str:
         return f"guess {self.lo}-{self.hi}\n"
 

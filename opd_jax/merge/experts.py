@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opd_jax.config import TrainConfig, save_config, to_plain
+from opd_jax.config import DataSection, TrainConfig, save_config, to_plain
 from opd_jax.config.opd_pipeline import ExpertsConfig
 from opd_jax.data import source_domains
 from opd_jax.errors import OpdJaxError
@@ -67,6 +67,11 @@ def _train_config(config: ExpertsConfig, changes: dict[str, Any]) -> TrainConfig
     return TrainConfig.model_validate(plain)
 
 
+def held_out_region(data: DataSection) -> dict[str, float]:
+    """Which problems a run held out (opd_jax.data.splits): a merge evaluates on the same region."""
+    return {"seed": data.seed, "share": data.held_out_share}
+
+
 def base_train_config(config: ExpertsConfig) -> TrainConfig:
     """The base's warm start: the base model, its sft, on every expert's sources mixed."""
     sources = [to_plain(s) for specs in config.experts.values() for s in specs]
@@ -108,7 +113,7 @@ def _build_base(config: ExpertsConfig, directory: Path, summary_path: Path) -> d
     finally:
         evaluator.close()
     summary = {"model": str(model_dir.resolve()), "eval": accuracy, "sft_steps": cfg.sft.steps,
-               "wall_time_s": trained}
+               "wall_time_s": trained, "held_out": held_out_region(cfg.data)}
     write_json(summary_path, summary)
     return summary
 
@@ -142,7 +147,7 @@ def run_expert(config: ExpertsConfig, name: str) -> dict[str, Any]:
                "sources": [to_plain(s) for s in config.experts[name]], "steps": cfg.steps,
                "eval": accuracy(evals[-1]) if evals else {},
                "eval_at_start": accuracy(evals[0]) if evals and evals[0]["step"] == 0 else None,
-               "wall_time_s": time.perf_counter() - began, "resumed": resume}
+               "wall_time_s": time.perf_counter() - began, "resumed": resume, "held_out": held_out_region(cfg.data)}
     write_json(summary_path, summary)
     return summary
 

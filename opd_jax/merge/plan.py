@@ -13,7 +13,7 @@ from opd_jax.config import DataSection, ModelSection, SourceSpec
 from opd_jax.config.opd_pipeline import MergeConfig
 from opd_jax.data import source_domains
 from opd_jax.errors import OpdJaxError
-from opd_jax.merge.experts import base_dir, expert_dir
+from opd_jax.merge.experts import base_dir, expert_dir, held_out_region
 from opd_jax.merge.routing import routing_table, teacher_indices
 
 
@@ -51,6 +51,19 @@ def _read_summary(path: Path, what: str, command: str) -> dict[str, Any]:
         raise MergeError(f"{path}: not valid JSON ({e})") from None
 
 
+def _check_held_out(data: DataSection, trained: dict[str, dict[str, Any]]) -> None:
+    """The merge's held-out problems are the ones its base and experts held out: a teacher trained
+    on the merge's held-out problems would make the report's comparison a test on training data."""
+    region = held_out_region(data)
+    for what, summary in trained.items():
+        theirs = summary.get("held_out")
+        if theirs is not None and theirs != region:
+            raise MergeError(f"{what} held out the problems of data.seed {theirs['seed']} at share {theirs['share']:g}, "
+                             f"the merge those of data.seed {region['seed']} at share {region['share']:g}: set the "
+                             f"merge's data.seed and data.held_out_share to the experts' (the experts trained on the "
+                             f"merge's held-out problems otherwise)")
+
+
 def resolve_plan(config: MergeConfig) -> MergePlan:
     base, experts = None, {}
     if config.experts_dir is not None:
@@ -82,6 +95,7 @@ def resolve_plan(config: MergeConfig) -> MergePlan:
                                               sum(x.get("weight", 1.0) for x in experts[n]["sources"])})
                    for n, e in experts.items() if n in {t.name for t in teachers} for s in e["sources"]]
         data = data.model_copy(update={"train": sources})
+    _check_held_out(data, {"the experts' base": base or {}} | {f"expert {n!r}": e for n, e in experts.items()})
     routes = routing_table({t.name: t.domains for t in teachers})
     teacher_indices(sorted({d for s in data.train for d in source_domains(s)}), routes)  # every domain routed
     return MergePlan(student=student, teachers=teachers, data=data, routes=routes, base=base, experts=experts)

@@ -12,7 +12,8 @@ from pathlib import Path
 from opd_jax.config import ConfigError, DataSection, ModelSection
 from opd_jax.config.schema import RolloutSection
 from opd_jax.data import eval_prompts, read_jsonl
-from opd_jax.data.sources import DataError, ProceduralSource
+from opd_jax.data.domains import Example
+from opd_jax.data.sources import DataError, ProceduralSource, problem_key
 from opd_jax.models import Tokenizer, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelConfig, ModelFormatError
@@ -20,6 +21,7 @@ from opd_jax.models.quant import check_quantizable
 from opd_jax.parallel import MeshConfig, make_mesh
 from opd_jax.rewards import load_reward_fn
 from opd_jax.train.build import encode_prompt, fresh_model_config
+from opd_jax.train.console import say
 from opd_jax.train.engines import sglang_server_flags
 
 
@@ -74,6 +76,8 @@ def check_data(data: DataSection, tokenizer: Tokenizer | None, context: int | No
     if tokenizer is not None and context is not None:
         _check_builtin_lengths(data, tokenizer, context, max_new_tokens)
     for i, spec in enumerate(data.train):
+        if spec.jsonl is not None and spec.eval_jsonl is not None:
+            warn_shared_prompts(f"data.train[{i}]", read_jsonl(spec.jsonl), read_jsonl(spec.eval_jsonl))
         for field in ("jsonl", "eval_jsonl"):
             file = getattr(spec, field)
             if file is None:
@@ -90,6 +94,16 @@ def check_data(data: DataSection, tokenizer: Tokenizer | None, context: int | No
                     raise DataError(f"{Path(file)}:{_line(example.uid)}: the prompt is {length} tokens; with "
                                     f"rollout.max_new_tokens {max_new_tokens} that is more than the model's context of "
                                     f"{context} (data.train[{i}].{field})")
+
+
+def warn_shared_prompts(key: str, train: list[Example], held_out: list[Example]) -> None:
+    """A warning (not an error: the user chose these files) when held-out prompts are also
+    training prompts, so the held-out accuracy is not held out."""
+    trained = {problem_key(e) for e in train}
+    shared = [e for e in held_out if problem_key(e) in trained]
+    if shared:
+        say(f"warning: {key}: {len(shared)} of the {len(held_out)} held-out prompts ({shared[0].uid} first) are "
+            f"also training prompts, so their accuracy is not held out")
 
 
 def _check_builtin_lengths(data: DataSection, tokenizer: Tokenizer, context: int, max_new_tokens: int) -> None:

@@ -72,7 +72,7 @@ class Demonstrations:
 
     def __init__(self, config: TrainConfig, policy: Decoder, tokenizer: Tokenizer):
         self.config, self.policy, self.tokenizer = config, policy, tokenizer
-        self.prompts = iter(train_prompts(config.data.model_copy(update={"seed": config.data.seed + _SFT_SEED_OFFSET})))
+        self.prompts = iter(train_prompts(config.data, seed_offset=_SFT_SEED_OFFSET))
 
     def __call__(self, step: int) -> RolloutBatch:
         c = self.config
