@@ -149,7 +149,34 @@ def reference_markdown(schemas: dict[str, type[pydantic.BaseModel]]) -> str:
             text = (d.description or "").replace("|", "\\|").replace("\n", " ")
             parts.append(f"| `{d.key}` | {kind} | {default} | {text} |")
         parts.append("")
-    return "\n".join(parts)
+    return "\n".join(parts + held_out_markdown())
+
+
+def held_out_markdown() -> list[str]:
+    """The held-out split's rule and each built-in domain's and environment's problem space."""
+    from opd_jax.data import DOMAINS
+    from opd_jax.data.splits import ENUMERABLE
+    from opd_jax.envs.protocol import builtin_environments
+
+    lines = ["## Held-out problems\n",
+             "A problem is a built-in domain's prompt text, or an environment episode's content (its secret, map",
+             "or problem text: the environment's `problem_key()`; a plugin environment without one: its episode",
+             "seed). It is held out when `blake2b(data.seed, problem) / 2^64 < data.held_out_share` (default",
+             f"0.25); in a problem space of at most {ENUMERABLE:,} problems, exactly round(share × size) problems,",
+             "those of lowest hash, are held out. Training, the warm start, validation draws and the teachers'",
+             "samples draw only the rest; the held-out evaluation takes the first `data.eval_prompts_per_domain`",
+             "(or the source's `eval_prompts`) distinct held-out problems. Another `data.seed` holds out another",
+             "set; an expert's and its merge's must agree (the merge checks). Asking for more held-out problems",
+             "than the share holds is one error naming the source and its size. JSONL sources hold out their",
+             "`eval_jsonl` file; a prompt in both files is warned of.\n",
+             "| source | problem space | at default parameters |",
+             "| --- | --- | ---: |"]
+    for name, domain in DOMAINS.items():
+        lines.append(f"| `{name}` | {domain.space_rule} | {domain.sampler().space:,} |")
+    for name, env in sorted(builtin_environments().items()):
+        rule = (env.problem_space.__doc__ or "").strip().split("\n")[0]
+        lines.append(f"| environment `{name}` | {rule} | {env.problem_space():,} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ class Domain:
     verifier: str  # "exact" or "numeric", see opd_jax.rewards
     make: Callable[..., Sampler]
     description: str
+    space_rule: str = ""  # how many distinct prompts it has, as a formula of its parameters
 
     def sampler(self, **params: Any) -> Sampler:
         try:
@@ -170,17 +171,17 @@ def _word_problems(hi: int = 20):
 
 
 DOMAINS: dict[str, Domain] = {d.name: d for d in (
-    Domain("addition", "exact", _addition, "a+b= with `digits`-digit operands"),
-    Domain("multiplication", "exact", _multiplication, "a*b= with `digits`-digit operands"),
-    Domain("reverse", "exact", _reverse, "reverse a digit string"),
-    Domain("sort", "exact", _sort, "sort single digits ascending"),
-    Domain("count", "exact", _count, "count one letter in a string"),
-    Domain("parity", "exact", _parity, "odd or even number of 1 bits"),
-    Domain("max", "exact", _maximum, "the largest of a few numbers"),
-    Domain("copy_edit", "exact", _copy_edit, "copy a string replacing one letter"),
-    Domain("chain", "exact", _chain, "left-to-right multi-step arithmetic"),
-    Domain("long_count", "exact", _long_count, "list every number from a to b (long answer, reward at the end)"),
-    Domain("word_problems", "numeric", _word_problems, "arithmetic word problems (for pretrained models)"),
+    Domain("addition", "exact", _addition, "a+b= with `digits`-digit operands", "(10^digits)^2"),
+    Domain("multiplication", "exact", _multiplication, "a*b= with `digits`-digit operands", "(10^digits)^2"),
+    Domain("reverse", "exact", _reverse, "reverse a digit string", "Σ 10^n, n = min_len..max_len"),
+    Domain("sort", "exact", _sort, "sort single digits ascending", "Σ 10^n, n = min_len..max_len"),
+    Domain("count", "exact", _count, "count one letter in a string", "Σ len(letters)^n, n = min_len..max_len"),
+    Domain("parity", "exact", _parity, "odd or even number of 1 bits", "Σ 2^n, n = min_len..max_len"),
+    Domain("max", "exact", _maximum, "the largest of a few numbers", "Σ (hi+1)^n, n = min_len..max_len"),
+    Domain("copy_edit", "exact", _copy_edit, "copy a string replacing one letter", "Σ 3·8·(8^n − 7^n), n = min_len..max_len"),
+    Domain("chain", "exact", _chain, "left-to-right multi-step arithmetic", "(hi+1)·(3·(hi+1))^steps"),
+    Domain("long_count", "exact", _long_count, "list every number from a to b (long answer, reward at the end)", "hi·(max_span − min_span + 1)"),
+    Domain("word_problems", "numeric", _word_problems, "arithmetic word problems (for pretrained models)", "48·(2·hi² + hi·(hi+1)/2)"),
 )}
 
 
