@@ -96,3 +96,27 @@ def test_a_bad_engine_entry_is_one_line_naming_it():
                    "census.engines={bf16: {dtype: bfloat16}, int4: {dtype: bfloat16, quantization: {kind: int4}}}")
     assert_user_error(late, "census.engines.int4.quantization.block_size: quantization block size 128 does not divide")
     assert "bf16 seed" not in late.output
+
+
+def test_weight_noise_is_drawn_per_run_seed_and_weight_version():
+    """rollout.inject_weight_noise's perturbation: the same for one (seed, version), another for
+    another seed at the same step (seeds of a sweep are independent draws, not one direction)
+    and for another version; its size is noise · std(w) per weight."""
+    from flax import nnx
+    from ppo_setup import tiny_models
+
+    from opd_jax.train.build import EngineNumerics, engine_model
+
+    policy, _ = tiny_models()
+    params = nnx.state(policy, nnx.Param)
+    clean = np.asarray(policy.backbone.embed.value)
+
+    def moved(seed, version):
+        model = engine_model(policy.config, params, EngineNumerics(), noise=0.5, seed=seed, version=version)
+        return np.asarray(model.backbone.embed.value) - clean
+
+    a = moved(0, 3)
+    np.testing.assert_array_equal(a, moved(0, 3))
+    for other in (moved(1, 3), moved(0, 4)):
+        assert abs(np.corrcoef(a.ravel(), other.ravel())[0, 1]) < 0.2
+    assert 0.4 < a.std() / clean.std() < 0.6

@@ -291,7 +291,7 @@ class RolloutSection(Section):
     dynamic_sampling_rounds: int = Field(4, gt=0)
     """Dynamic sampling: draws per step at most; a batch still short then keeps uninformative groups (counted in rollout/dynamic_uninformative_groups)."""  # noqa: E501
     inject_weight_noise: float = Field(0.0, ge=0)
-    """Research knob: add N(0, (noise·std(w))²) to the engine's weights at every sync, a mismatch larger than bf16's."""  # noqa: E501
+    """Research knob: add N(0, (noise·std(w))²) to the engine's weights at every sync, a mismatch larger than bf16's; drawn from (run seed, step), so seeds are independent draws."""  # noqa: E501
     episodes: EpisodeSection = EpisodeSection()
     """Budgets of multi-turn episodes (environment sources)."""
 

@@ -116,11 +116,12 @@ def serves_adapters(config: Any, numerics: EngineNumerics, noise: float) -> bool
 
 
 def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, noise: float = 0.0,
-                 version: int = 0, adapters: bool = True) -> Decoder:
+                 version: int = 0, seed: int = 0, adapters: bool = True) -> Decoder:
     """The policy as the rollout engine runs it: its parameters cast to the engine's dtype, which
     may differ from the trainer's (bf16 engine, f32 trainer), so the mismatch is real, and its
     matmul weights quantized as `numerics` says (from the cast weights); `noise` adds
-    N(0, (noise·std(w))²) to every weight (seeded by `version`) for a larger one. A policy with
+    N(0, (noise·std(w))²) to every weight (drawn from (seed, version): each run seed its own
+    perturbation directions, each weight version its own draw) for a larger one. A policy with
     LoRA adapters runs as base + adapters where `serves_adapters`, else merged (each adapter
     folded into its base weight; adapters=False: merged in any case); a QLoRA base is dequantized."""
     pure = nnx.to_pure_dict(params)
@@ -130,7 +131,7 @@ def engine_model(config: Any, params: nnx.State, numerics: EngineNumerics, *, no
         config, pure = merged_params(config, pure)
     if noise:
         leaves, tree = jax.tree.flatten(pure)
-        keys = jax.random.split(jax.random.key(version), len(leaves))
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), version), len(leaves))
         leaves = [w + noise * jnp.std(w) * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)]
         pure = jax.tree.unflatten(tree, leaves)
     # a copy even at the trainer's dtype (where astype returns the same array): the train step

@@ -27,13 +27,15 @@ from rollout_bridge.sglang_engine import SGLangEngine
 
 
 def weight_update(rollout: RolloutSection, model_config: ModelConfig, params: nnx.State, tokenizer: Tokenizer,
-                  version: int) -> WeightUpdate:
+                  version: int, *, seed: int = 0) -> WeightUpdate:
     """Version `version` of the policy, in the engine's dtype, in memory or as an HF directory (a
-    LoRA policy's merged), and a LoRA policy's adapters alone where the engine serves them."""
+    LoRA policy's merged), and a LoRA policy's adapters alone where the engine serves them. Weight
+    noise (rollout.inject_weight_noise) is drawn from the run's `seed` and the version."""
     numerics = EngineNumerics.of(rollout)
 
     def model() -> Decoder:
-        return engine_model(model_config, params, numerics, noise=rollout.inject_weight_noise, version=version)
+        return engine_model(model_config, params, numerics, noise=rollout.inject_weight_noise, version=version,
+                            seed=seed)
 
     adapters = None
     if serves_adapters(model_config, numerics, rollout.inject_weight_noise):

@@ -112,7 +112,7 @@ class RolloutSession:
         return {"engine": self.rollout.engine, "logprobs": self.engine.logprob_convention, "differs_in": differs}
 
     def _update(self, params: nnx.State, version: int):
-        return weight_update(self.rollout, self.policy_config, params, self.tokenizer, version)
+        return weight_update(self.rollout, self.policy_config, params, self.tokenizer, version, seed=self.seed)
 
     def _next_group(self) -> list[Request] | Awaitable[list[Trajectory]]:
         """G requests of the next prompt, or G episodes of the next environment instance; each
