@@ -81,6 +81,63 @@ def test_the_aggregate_equals_hand_computed_intervals_and_paired_differences(tmp
     assert json.loads((sweep.out / "sweep.json").read_text())["cells"]["b"]["summary"]["final"]["n"] == 3
 
 
+def test_the_declared_primary_outcome_is_tested_as_declared_and_reported_first(tmp_path):
+    """last_mean over 2 evaluations, a one-sided paired t-test and Holm's correction over two
+    contrasts; a non-inferiority test; Fisher's exact test of collapse counts; identical cells
+    give p = 1, not NaN; sweep.md opens with the primary outcome and calls the rest exploratory."""
+    cells = [{"name": n} for n in ("a", "b", "c")]
+    primary = {"outcome": "last_mean", "last": 2, "contrasts": [["a", "b"], ["c", "b"]], "alternative": "greater",
+               "correction": "holm"}
+    path = write_sweep(tmp_path, cells=cells, seeds=3, primary=primary, compare=[["b", "b"]])
+    sweep = Sweep(path, tmp_path / "out")
+    last = {"a": [(0.5, 0.7), (0.6, 0.8), (0.7, 0.7)], "b": [(0.5, 0.5), (0.5, 0.6), (0.6, 0.6)],
+            "c": [(0.5, 0.5), (0.5, 0.6), (0.6, 0.6)]}
+    for cell, values in last.items():
+        for seed, (x, y) in enumerate(values):
+            fake_run(sweep.run_dir(cell, seed), {0: 0.3, 10: x, 20: y}, steps=sweep.steps[cell, seed])
+    result = aggregate(sweep)
+    a_b, c_b = result["primary"]["results"]
+    # a − b per seed: means of the last two, 0.6 − 0.5, 0.7 − 0.55, 0.7 − 0.6 = 0.1, 0.15, 0.1
+    d = [0.1, 0.15, 0.1]
+    mean, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
+    t = mean / (sd / math.sqrt(3))
+    p_one_sided = 0.5 - t / (2 * math.sqrt(2 + t * t))  # 1 − CDF of Student's t with 2 df
+    assert math.isclose(a_b["mean"], mean, rel_tol=1e-9) and math.isclose(a_b["p_value"], p_one_sided, rel_tol=1e-9)
+    assert c_b["p_value"] == 1.0 and c_b["mean"] == 0.0  # identical cells: no difference, not NaN
+    # Holm: the smaller p × 2, then the larger × 1 (never below the one before)
+    assert math.isclose(a_b["p_corrected"], 2 * p_one_sided, rel_tol=1e-9) and c_b["p_corrected"] == 1.0
+    assert a_b["rejects"] == (2 * p_one_sided < 0.05) and not c_b["rejects"]
+    assert result["comparisons"][0]["p_value"] == 1.0
+    md = (sweep.out / "sweep.md").read_text()
+    assert md.index("## Primary outcome (declared before the runs)") < md.index("## Exploratory") < md.index("| cell |")
+    assert "the mean eval/accuracy of the last 2 evaluations" in md and "holm correction over 2 contrast(s)" in md
+    assert json.loads((sweep.out / "sweep.json").read_text())["primary"]["declared"]["test"] == "paired_t"
+
+    # non-inferiority of c against a with margin 0.2: c − a = −0.1, −0.15, −0.1, so c − a + 0.2 > 0
+    path = write_sweep(tmp_path, cells=cells, seeds=3, primary={"outcome": "last_mean", "last": 2, "contrasts": [["c", "a"]],
+                                                                "test": "non_inferiority", "margin": 0.2})
+    (result,) = aggregate(Sweep(path, tmp_path / "out"))["primary"]["results"]
+    shifted = [0.2 - x for x in d]
+    m2, s2 = sum(shifted) / 3, math.sqrt(sum((x - sum(shifted) / 3) ** 2 for x in shifted) / 2)
+    t2 = m2 / (s2 / math.sqrt(3))
+    assert math.isclose(result["p_value"], 0.5 - t2 / (2 * math.sqrt(2 + t2 * t2)), rel_tol=1e-9)
+    assert math.isclose(result["mean"], -mean, rel_tol=1e-9)
+
+    # collapse counts: a's seed 0 fell 0.1 below its start; Fisher's exact, 1/3 vs 0/3 two-sided = 1
+    rows = {0: 0.5, 10: 0.3, 20: 0.3}
+    for seed in range(3):
+        for cell in ("a", "b", "c"):
+            (sweep.run_dir(cell, seed) / "metrics.jsonl").unlink()
+            (sweep.run_dir(cell, seed) / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": s, "eval/accuracy": v if cell == "a" else 0.5}) + "\n"
+                for s, v in rows.items()) + json.dumps({"step": sweep.steps[cell, seed]}) + "\n")
+    path = write_sweep(tmp_path, cells=cells, seeds=3, primary={"outcome": "collapsed", "contrasts": [["a", "b"]],
+                                                                "test": "fisher_exact", "alternative": "greater"})
+    (result,) = aggregate(Sweep(path, tmp_path / "out"))["primary"]["results"]
+    # 3/3 against 0/3, one-sided: the one table as extreme of C(3,3)C(3,0)/C(6,3) = 1/20
+    assert result["a_count"] == "3/3" and result["b_count"] == "0/3" and math.isclose(result["p_value"], 1 / 20)
+
+
 def test_collapse_is_found_with_its_first_step_per_kind():
     rule = CollapseSection(eval_drop=0.1, grad_norm_factor=10.0, entropy_floor=0.05)
     rows = [{"step": 0, "eval/accuracy": 0.5}]
@@ -105,6 +162,12 @@ def test_collapse_is_found_with_its_first_step_per_kind():
     ({"grid": {"steps": []}, "seeds": 2}, "grid key steps has no values"),
     ({"grid": {"steps": [2]}, "seeds": 1}, "a confidence interval needs at least 2"),
     ({"cells": [{"name": "a"}], "seeds": 2, "compare": [["a", "z"]]}, "no cell named 'z'"),
+    ({"cells": [{"name": "a"}], "seeds": 2, "primary": {"outcome": "final", "contrasts": [["a", "y"]]}},
+     "primary.contrasts: no cell named 'y'"),
+    ({"cells": [{"name": "a"}], "seeds": 2, "primary": {"outcome": "final", "contrasts": [["a", "a"]],
+                                                        "test": "fisher_exact"}}, "fisher_exact tests only 'collapsed'"),
+    ({"cells": [{"name": "a"}], "seeds": 2, "primary": {"outcome": "final", "contrasts": [["a", "a"]],
+                                                        "test": "non_inferiority"}}, "needs a margin > 0"),
     ({"grid": {"steps": [0]}, "seeds": 2}, "cell steps=0"),
     ({"axes": {"engine": {}}, "seeds": 2}, "axis engine has no labels"),
     ({"axes": {"engine": {"bf16": {"rollout.dtyp": "bfloat16"}}}, "seeds": 2},

@@ -36,6 +36,43 @@ class CollapseSection(Section):
     """policy/entropy (nats per token) falls below this."""
 
 
+class PrimarySection(Section):
+    """The primary outcome and its test, declared before the sweep runs: sweep.json records it
+    and sweep.md reports it first; every other comparison is exploratory."""
+
+    outcome: Literal["final", "best", "gain", "last_mean", "collapsed"]
+    """Per run: the final held-out metric, its best, final − first, the mean of its last `last`
+    evaluations, or whether the run collapsed (the `collapse` rule)."""
+    last: int = Field(1, ge=1)
+    """last_mean: how many of the last evaluations are averaged."""
+    contrasts: list[tuple[str, str]] = Field(min_length=1)
+    """Pairs of cells [a, b]: each tested as a − b (collapsed: a's collapse rate against b's)."""
+    test: Literal["paired_t", "non_inferiority", "fisher_exact"] = "paired_t"
+    """paired_t: paired t-test of a − b over seeds; non_inferiority: one-sided paired t-test that
+    a − b > −margin (a no worse than b by more than the margin); fisher_exact: Fisher's exact test
+    on the collapse counts (outcome collapsed)."""
+    alternative: Literal["two-sided", "greater", "less"] = "two-sided"
+    """The alternative hypothesis of paired_t and fisher_exact: a − b ≠ 0, > 0 or < 0 (collapsed:
+    a's rate ≠, >, < b's); non_inferiority is one-sided (greater) by definition."""
+    margin: float = Field(0.0, ge=0)
+    """non_inferiority's margin, in the outcome's units."""
+    correction: Literal["none", "bonferroni", "holm"] = "bonferroni"
+    """How the contrasts' p-values are corrected for being several."""
+    alpha: float = Field(0.05, gt=0, lt=1)
+    """The level each corrected p-value is compared with."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PrimarySection:
+        if (self.outcome == "collapsed") != (self.test == "fisher_exact"):
+            raise ValueError("primary: the outcome 'collapsed' is tested with fisher_exact, and fisher_exact "
+                             "tests only 'collapsed'")
+        if self.test == "non_inferiority" and self.margin <= 0:
+            raise ValueError("primary.margin: a non-inferiority test needs a margin > 0")
+        if self.test == "non_inferiority" and self.alternative != "two-sided":
+            raise ValueError("primary.alternative: non_inferiority is one-sided by definition; leave it unset")
+        return self
+
+
 class SweepConfig(Section):
     """`opd-jax sweep`: every cell × every seed as an independent `opd-jax train` (or `opd-jax
     merge`) run."""
@@ -63,8 +100,10 @@ class SweepConfig(Section):
     """The held-out metric: final, best and gain over its first evaluation, per cell."""
     metrics: list[str] = []
     """Training metrics aggregated per cell (each run's mean over the steps that logged them)."""
+    primary: PrimarySection | None = None
+    """The primary outcome, contrasts and test, declared before anything runs (docs/sweeps.md); without it every comparison is exploratory."""  # noqa: E501
     compare: list[tuple[str, str]] = []
-    """Pairs of cells [a, b]: the paired difference a − b of the final held-out metric over the seeds both ran."""
+    """Pairs of cells [a, b]: the paired difference a − b of the final held-out metric over the seeds both ran (exploratory)."""
     confidence: float = Field(0.95, gt=0, lt=1)
     """Level of every interval (Student's t over seeds)."""
     collapse: CollapseSection = CollapseSection()
@@ -97,17 +136,25 @@ class SweepConfig(Section):
             raise ValueError(f"two cells are named {next(n for n in names if names.count(n) > 1)!r}")
         return self
 
-    def checked_compare(self) -> list[tuple[str, str]]:
-        """The pairs of `compare` as cell names (a name as the grid writes it, `kind=[1, 2]`, is the
-        cell's name with its characters made safe); ValueError for a cell that does not exist.
-        Asked once the cells resolve, so a bad grid value is named as such, not as a missing cell."""
+    def checked(self) -> SweepConfig:
+        """The config with the pairs of `compare` and `primary.contrasts` as cell names (a name as
+        the grid writes it, `kind=[1, 2]`, is the cell's name with its characters made safe);
+        ValueError naming the key for a cell that does not exist. Asked once the cells resolve, so
+        a bad grid value is named as such, not as a missing cell."""
         names = [name for name, _ in self.cell_overrides()]
-        pairs = [(cell_name(a), cell_name(b)) for a, b in self.compare]
-        for a, b in pairs:
-            for name in (a, b):
+
+        def resolved(key: str, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+            out = [(cell_name(a), cell_name(b)) for a, b in pairs]
+            for name in (n for pair in out for n in pair):
                 if name not in names:
-                    raise ValueError(f"compare: no cell named {name!r} (cells: {', '.join(names)})")
-        return pairs
+                    raise ValueError(f"{key}: no cell named {name!r} (cells: {', '.join(names)})")
+            return out
+
+        update: dict[str, Any] = {"compare": resolved("compare", self.compare)}
+        if self.primary is not None:
+            update["primary"] = self.primary.model_copy(
+                update={"contrasts": resolved("primary.contrasts", self.primary.contrasts)})
+        return self.model_copy(update=update)
 
     @property
     def seed_key_list(self) -> list[str]:

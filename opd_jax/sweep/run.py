@@ -63,7 +63,7 @@ class Sweep:
                 if self.config.warm_start == "shared" and config.sft.steps > 0:
                     self.warm_starts[name, seed] = self.out / "_warm_start" / _warm_start_key(config)
         try:
-            self.config = self.config.model_copy(update={"compare": self.config.checked_compare()})
+            self.config = self.config.checked()
         except ValueError as e:
             raise SweepError(f"{path}: {e}") from None
 
@@ -127,7 +127,7 @@ def reduced(path: str | Path, out: str | Path, *, seeds: int | list[int] = 2, ov
     """A smaller copy of the sweep file at `path`, written to <out>.yaml, its runs in `out`: other
     `seeds`, extra `overrides` for every cell, only the grid values / axis labels named in `keep`
     (by grid key or axis name; values compared as strings), `cells` in place of its named cells
-    when given, and only the comparisons whose cells remain. The notebooks' test size; a
+    when given, and only the comparisons (and primary contrasts) whose cells remain. The notebooks' test size; a
     smoke test of a sweep before its hours-long run."""
     path, out = Path(path), Path(out)
     spec = yaml.safe_load(path.read_text())
@@ -142,9 +142,13 @@ def reduced(path: str | Path, out: str | Path, *, seeds: int | list[int] = 2, ov
                             else [v for v in values if str(v) in map(str, wanted)])
     if cells is not None:
         spec["cells"] = [{"name": name, "overrides": o} for name, o in cells.items()]
-    compare = spec.pop("compare", [])
+    compare, primary = spec.pop("compare", []), spec.pop("primary", None)
     names = {name for name, _ in SweepConfig(**spec).cell_overrides()}
     spec["compare"] = [pair for pair in compare if set(pair) <= names]
+    if primary is not None:  # the declared contrasts among the cells kept; none kept: no primary outcome
+        contrasts = [pair for pair in primary["contrasts"] if set(pair) <= names]
+        if contrasts:
+            spec["primary"] = {**primary, "contrasts": contrasts}
     small = out.with_suffix(".yaml")
     small.parent.mkdir(parents=True, exist_ok=True)
     small.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -296,8 +300,14 @@ def aggregate(sweep: Sweep) -> dict[str, Any]:
         final = {n: {s: r.get("final", math.nan) for s, r in cells[n]["runs"].items()} for n in (a, b)}
         comparisons.append({"a": a, "b": b, "metric": f"final {config.eval_metric}",
                             **stats.paired(final[a], final[b], config.confidence)})
+    primary = None
+    if config.primary is not None:
+        primary = {"declared": config.primary.model_dump(mode="json"),
+                   "results": stats.primary_tests({n: c["runs"] for n, c in cells.items()}, config.primary,
+                                                  config.confidence)}
     result = {"base": str(sweep.base), "eval_metric": config.eval_metric, "metrics": config.metrics,
-              "confidence": config.confidence, "seeds": config.seed_list, "cells": cells, "comparisons": comparisons}
+              "confidence": config.confidence, "seeds": config.seed_list, "primary": primary, "cells": cells,
+              "comparisons": comparisons}
     for cell in cells.values():  # JSON keys are strings; keep the seeds as the runs are named
         cell["runs"] = {str(s): r for s, r in cell["runs"].items()}
     write_report(sweep.out, result)

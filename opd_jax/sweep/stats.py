@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from opd_jax.config.sweep import CollapseSection
+from opd_jax.config.sweep import CollapseSection, PrimarySection
 
 
 def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
@@ -21,7 +21,8 @@ def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
     Student's t interval at `level` (n − 1 degrees of freedom; NaN bounds below 2 values)."""
     x = np.asarray([v for v in values if v is not None and not math.isnan(v)], np.float64)
     out = {"n": int(x.size), "mean": float(x.mean()) if x.size else math.nan,
-           "std": float(x.std(ddof=1)) if x.size > 1 else math.nan, "low": math.nan, "high": math.nan}
+           "std": float(x.std(ddof=1)) if x.size > 1 else math.nan, "low": math.nan, "high": math.nan,
+           "min": float(x.min()) if x.size else math.nan, "max": float(x.max()) if x.size else math.nan}
     if x.size > 1:
         if out["std"] == 0:
             out["low"] = out["high"] = out["mean"]
@@ -31,15 +32,75 @@ def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
     return out
 
 
-def paired(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> dict[str, Any]:
-    """The paired difference a − b over the seeds both have: its t interval, and the two-sided
-    p-value of a paired t-test (NaN below 2 pairs or when every difference is equal)."""
+def paired(a: dict[int, float], b: dict[int, float], level: float = 0.95, *, alternative: str = "two-sided",
+           margin: float = 0.0) -> dict[str, Any]:
+    """The paired difference a − b over the seeds both have: its t interval, and the p-value of a
+    paired t-test of a − b against −margin (two-sided, or one-sided "greater"/"less"). Every
+    difference equal: p is 1 where that equals −margin (identical cells), 0 where it is on the
+    alternative's side, else 1; NaN below 2 pairs."""
     seeds = sorted(s for s in a if s in b and not (math.isnan(a[s]) or math.isnan(b[s])))
-    diffs = [a[s] - b[s] for s in seeds]
-    out = {"seeds": seeds, **interval(diffs, level), "p_value": math.nan}
-    if len(seeds) > 1 and np.std(diffs) > 0:
-        out["p_value"] = float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
+    diffs = np.asarray([a[s] - b[s] for s in seeds], np.float64) + margin
+    out = {"seeds": seeds, **interval(list(diffs - margin), level), "p_value": math.nan}
+    if len(seeds) < 2:
+        return out
+    if np.ptp(diffs) == 0:  # no spread: the t statistic is undefined; the answer is not
+        d = float(diffs[0])
+        side = {"two-sided": d != 0, "greater": d > 0, "less": d < 0}[alternative]
+        out["p_value"] = 0.0 if side else 1.0
+    else:
+        out["p_value"] = float(stats.ttest_1samp(diffs, 0.0, alternative=alternative).pvalue)
     return out
+
+
+def run_outcome(run: dict[str, Any], primary: PrimarySection) -> float:
+    """One run's primary outcome (collapsed: 1.0 or 0.0)."""
+    if primary.outcome == "collapsed":
+        return float(run["collapse"]["any"] is not None)
+    if primary.outcome == "last_mean":
+        curve = run.get("curve") or []
+        return float(np.mean([v for _, v in curve[-primary.last:]])) if curve else math.nan
+    return run.get(primary.outcome, math.nan)
+
+
+def primary_tests(runs: dict[str, dict[int, dict[str, Any]]], primary: PrimarySection,
+                  level: float) -> list[dict[str, Any]]:
+    """Each declared contrast a − b of the primary outcome: the difference with its interval (a
+    paired one over the seeds both ran; collapsed: the two rates), the test's p-value, the
+    corrected p-value (Bonferroni or Holm over the contrasts) and whether it is below alpha."""
+    out = []
+    for a, b in primary.contrasts:
+        value = {cell: {s: run_outcome(r, primary) for s, r in runs[cell].items()} for cell in (a, b)}
+        if primary.test == "fisher_exact":
+            hits = [int(sum(value[c].values())) for c in (a, b)]
+            sizes = [len(value[c]) for c in (a, b)]
+            table = [[hits[0], sizes[0] - hits[0]], [hits[1], sizes[1] - hits[1]]]
+            p = float(stats.fisher_exact(table, alternative=primary.alternative).pvalue) if min(sizes) else math.nan
+            result = {"a": a, "b": b, "a_rate": hits[0] / max(sizes[0], 1), "b_rate": hits[1] / max(sizes[1], 1),
+                      "a_count": f"{hits[0]}/{sizes[0]}", "b_count": f"{hits[1]}/{sizes[1]}", "p_value": p}
+        else:
+            alternative = "greater" if primary.test == "non_inferiority" else primary.alternative
+            result = {"a": a, "b": b, **paired(value[a], value[b], level, alternative=alternative,
+                                               margin=primary.margin if primary.test == "non_inferiority" else 0.0)}
+        out.append(result)
+    for result, adjusted in zip(out, _corrected([r["p_value"] for r in out], primary.correction)):
+        result["p_corrected"] = adjusted
+        result["rejects"] = bool(adjusted < primary.alpha)
+    return out
+
+
+def _corrected(p_values: list[float], method: str) -> list[float]:
+    """Bonferroni (p × m) or Holm's step-down correction of m p-values, capped at 1."""
+    m = len(p_values)
+    if method == "none":
+        return list(p_values)
+    if method == "bonferroni":
+        return [min(1.0, p * m) for p in p_values]
+    order = sorted(range(m), key=lambda i: (math.isnan(p_values[i]), p_values[i]))
+    adjusted, running = [math.nan] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def collapse(rows: Sequence[dict[str, float]], eval_metric: str, rule: CollapseSection) -> dict[str, int | None]:
