@@ -8,3 +8,8 @@ def none_on_odd_length(prompt: str, response: str, answer: str, domain: str):
 
 def raises(prompt: str, response: str, answer: str, domain: str) -> float:
     raise KeyError("score_table")
+
+
+def two_arguments(prompt: str, response: str) -> float:
+    """A mistake: the reward function's arity (it is called with prompt, response, answer, domain)."""
+    return 0.0

@@ -355,13 +355,21 @@ def test_bad_inputs_are_named_before_anything_is_built(tmp_path):
 
 
 def test_a_bad_reward_names_the_function_and_the_sample_or_is_skipped(tmp_path):
+    # checked before the run, on the reference answers: nothing is built, nothing written
     one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'a'}", "data.reward_fn=bad_reward:raises"),
-                   "reward function bad_reward:raises raised KeyError: 'score_table' on sample max/eval/0 "
-                   "(domain 'max')", started=True)
+                   "data.reward_fn, checked on the reference answers before the run: reward function "
+                   "bad_reward:raises raised KeyError: 'score_table' on sample max/eval/0 (domain 'max')")
+    one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'a'}", "data.reward_fn=bad_reward:two_arguments"),
+                   "data.reward_fn: bad_reward:two_arguments cannot be called as f(prompt, response, answer, domain)")
+    one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'a'}",
+                       "algorithm.ppo.advantage=user_algorithms:per_sample_grpo"),
+                   "algorithm.ppo.advantage: user_algorithms:per_sample_grpo returned shape (8,) on a batch of 8 "
+                   "samples × 6 tokens; an advantage estimator returns one advantage per token, [B, T] = (8, 6)")
+    assert not (tmp_path / "a").exists()
     one_line_error(cli("train", *RUN, f"logging.run_dir={tmp_path / 'b'}", "logging.eval_at_start=false",
-                       "data.reward_fn=bad_reward:none_on_odd_length"),
-                   "reward function bad_reward:none_on_odd_length returned None (NoneType) on sample max/train/",
-                   "data.on_bad_reward: skip", started=True)
+                       "data.reward_fn=bad_reward:none_on_odd_length"),  # a one-digit answer is odd
+                   "reward function bad_reward:none_on_odd_length returned None (NoneType) on sample max/eval/0",
+                   "data.on_bad_reward: skip")
     # three new tokens at most: a response cut there has odd length, so some samples are bad
     result = cli("train", *RUN, f"logging.run_dir={tmp_path / 'c'}", "steps=3", "logging.eval_every=3",
                  "rollout.max_new_tokens=3", "data.reward_fn=bad_reward:none_on_odd_length", "data.on_bad_reward=skip")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from train_loop_settings import RESUME_ARGS, TINY, like_state
 
-from opd_jax.config import load_config
+from opd_jax.config import ConfigError, load_config
 from opd_jax.data import DataError
 from opd_jax.train import RunError, train
 from opd_jax.train.checkpoint import Checkpoints
@@ -91,13 +91,18 @@ def test_bad_data_and_nan_rewards_stop_the_run(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         train(config(tmp_path / "a", "steps=2", f"data.train=[{{jsonl: {bad}}}]"))
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
-    with pytest.raises(RunError, match=r"evaluation at step 0: reward of sample 0 \(domain 'max', prompt max/eval/0\) "
-                                       r"is nan, returned by reward function nan_reward:reward "
-                                       r"\(data.on_bad_reward: skip drops such samples\)"):
+    # NaN on the reference answer: named before the run (nothing built, nothing written)
+    with pytest.raises(ConfigError, match=r"data.reward_fn, checked on the reference answers before the run: reward of "
+                                          r"sample 0 \(domain 'max', prompt max/eval/0\) is nan, returned by reward "
+                                          r"function nan_reward:reward \(data.on_bad_reward: skip drops such samples\)"):
         train(config(tmp_path / "b", "steps=2", "data.reward_fn=nan_reward:reward"))
-    # the training rollouts are checked the same way (no evaluation before them here)
-    with pytest.raises(RunError, match=r"step 1: reward of sample 0 \(domain 'max', prompt max/train/"):
-        train(config(tmp_path / "c", "steps=2", "data.reward_fn=nan_reward:reward", "logging.eval_at_start=false"))
+    assert not (tmp_path / "b").exists()
+    # NaN only on wrong answers: the evaluation and the training rollouts are checked as they come
+    with pytest.raises(RunError, match=r"evaluation at step 0: reward of sample \d+ \(domain 'max', prompt max/eval/"):
+        train(config(tmp_path / "b", "steps=2", "data.reward_fn=nan_reward:nan_unless_right"))
+    with pytest.raises(RunError, match=r"step 1: reward of sample \d+ \(domain 'max', prompt max/train/"):
+        train(config(tmp_path / "c", "steps=2", "data.reward_fn=nan_reward:nan_unless_right",
+                     "logging.eval_at_start=false"))
 
 
 def test_a_real_kill_during_a_checkpoint_save_resumes_exactly(tmp_path, straight_run):

@@ -23,7 +23,7 @@ TINY = [
 RESUME_ARGS = ["steps=6", "sft.steps=2", "checkpoint.every=2", "logging.eval_every=3",
                "algorithm.ppo.update.pack=true", "sft.pack=true", "rollout.decode_slots=6",
                "data.train=[{builtin: max, params: {hi: 9, min_len: 3, max_len: 3}}, "
-               "{environment: search, params: {hi: 3, max_guesses: 2}}]", "rollout.episodes.max_tokens=40",
+               "{environment: search, params: {hi: 3, max_guesses: 2}, eval_prompts: 1}]", "rollout.episodes.max_tokens=40",
                "model.fresh.family=qwen3_moe", "algorithm.ppo.routing_replay=r3", "rollout.inject_weight_noise=0.1",
                "algorithm.ppo.value_warmup_steps=1", "algorithm.ppo.kl={coef: 0.01, kind: k3, where: loss}",
                "model.fresh.moe={num_experts: 4, experts_per_token: 2, intermediate_size: 32, dense_layers: [0]}"]

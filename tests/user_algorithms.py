@@ -23,3 +23,9 @@ def one_step_td(inputs, config):
 def reinforce_loss(logp, logp_old, advantages, mask, eps_low, eps_high):
     """Plain REINFORCE on the response tokens (ratio reported, not clipped)."""
     return -advantages * logp, jnp.exp(logp - logp_old)
+
+
+def per_sample_grpo(inputs, config):
+    """A mistake: one advantage per sample [B], not per token [B, T]."""
+    grouped = inputs.rewards.reshape(-1, inputs.group_size)
+    return (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)

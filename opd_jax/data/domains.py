@@ -180,8 +180,10 @@ DOMAINS: dict[str, Domain] = {d.name: d for d in (
     Domain("max", "exact", _maximum, "the largest of a few numbers", "Σ (hi+1)^n, n = min_len..max_len"),
     Domain("copy_edit", "exact", _copy_edit, "copy a string replacing one letter", "Σ 3·8·(8^n − 7^n), n = min_len..max_len"),
     Domain("chain", "exact", _chain, "left-to-right multi-step arithmetic", "(hi+1)·(3·(hi+1))^steps"),
-    Domain("long_count", "exact", _long_count, "list every number from a to b (long answer, reward at the end)", "hi·(max_span − min_span + 1)"),
-    Domain("word_problems", "numeric", _word_problems, "arithmetic word problems (for pretrained models)", "48·(2·hi² + hi·(hi+1)/2)"),
+    Domain("long_count", "exact", _long_count, "list every number from a to b (long answer, reward at the end)",
+           "hi·(max_span − min_span + 1)"),
+    Domain("word_problems", "numeric", _word_problems, "arithmetic word problems (for pretrained models)",
+           "48·(2·hi² + hi·(hi+1)/2)"),
 )}
 
 

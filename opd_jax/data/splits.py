@@ -18,7 +18,6 @@ import hashlib
 from collections.abc import Callable
 from typing import TypeVar
 
-
 T = TypeVar("T")
 
 # a draw outside its region is redrawn; a region this rare in a stream means the split is unusable

@@ -37,7 +37,8 @@ def primary_markdown(result: dict[str, Any]) -> list[str]:
              f"Outcome: {outcome}. Test: {test}; {d['correction']} correction over {len(d['contrasts'])} "
              f"contrast(s), α {d['alpha']:g}.", ""]
     if d["outcome"] == "collapsed":
-        lines += ["| a vs b | a collapsed | b collapsed | p | corrected p | below α |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+        lines += ["| a vs b | a collapsed | b collapsed | p | corrected p | below α |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
         for r in primary["results"]:
             lines.append(f"| {r['a']} vs {r['b']} | {r['a_count']} | {r['b_count']} | {r['p_value']:.3g} | "
                          f"{r['p_corrected']:.3g} | {'yes' if r['rejects'] else 'no'} |")

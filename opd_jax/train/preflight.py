@@ -6,11 +6,17 @@ against the model's context."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from opd_jax.config import ConfigError, DataSection, ModelSection
 from opd_jax.config.schema import RolloutSection
+from opd_jax.core import PPOConfig
+from opd_jax.core.registry import AdvantageInputs
 from opd_jax.data import eval_prompts, read_jsonl
 from opd_jax.data.domains import Example
 from opd_jax.data.sources import DataError, ProceduralSource, problem_key
@@ -19,7 +25,7 @@ from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelConfig, ModelFormatError
 from opd_jax.models.quant import check_quantizable
 from opd_jax.parallel import MeshConfig, make_mesh
-from opd_jax.rewards import load_reward_fn
+from opd_jax.rewards import RewardError, compute_rewards, load_reward_fn
 from opd_jax.train.build import encode_prompt, fresh_model_config
 from opd_jax.train.console import say
 from opd_jax.train.engines import sglang_server_flags
@@ -54,12 +60,59 @@ def check_model(key: str, section: ModelSection) -> tuple[Tokenizer | None, Mode
 
 
 def check_reward_fn(key: str, path: str | None) -> None:
+    """The reward function imports, and takes f(prompt, response, answer, domain)."""
     if path is None:
         return
     try:
-        load_reward_fn(path)
+        fn = load_reward_fn(path)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
+    try:
+        inspect.signature(fn).bind("prompt", "response", "answer", "domain")
+    except TypeError as e:
+        raise ConfigError(f"{key}: {path} cannot be called as f(prompt, response, answer, domain): {e}") from None
+    except ValueError:  # a builtin without a signature: the probe on the answers below decides
+        pass
+
+
+def check_rewards(data: DataSection) -> None:
+    """The reward function on each domain's first held-out problem with the reference answer as the
+    response, before anything is built: where it raises, returns a non-number or a NaN/inf, the run
+    would stop at its first evaluation or step (data.on_bad_reward: skip keeps such samples out
+    instead, so then nothing is checked)."""
+    if data.reward_fn is None or data.on_bad_reward == "skip":
+        return
+    reward_fn = load_reward_fn(data.reward_fn)
+    for _, examples in sorted(eval_prompts(data).items()):
+        example = examples[0]
+        if example.episode is not None:
+            continue  # an environment gives its own rewards
+        try:
+            compute_rewards([example.answer], [example], reward_fn)
+        except RewardError as e:
+            raise ConfigError(f"data.reward_fn, checked on the reference answers before the run: {e} "
+                              f"(data.on_bad_reward: skip drops such samples)") from None
+
+
+def check_estimator(key: str, ppo: PPOConfig, group_size: int) -> None:
+    """The advantage estimator traced on a tiny batch of `group_size`-sample groups (no compute):
+    a plugin that raises or returns anything but [B, T] advantages is named now, not after the
+    warm start."""
+    B, T = 2 * group_size, 6
+    mask = jnp.ones((B, T), jnp.float32)
+    inputs = AdvantageInputs(rewards=jnp.zeros(B), token_rewards=mask * 0, mask=mask,
+                             values=mask * 0 if ppo.uses_critic else None, final_values=None, group_size=group_size)
+    try:
+        out = jax.eval_shape(lambda x: ppo.estimator.fn(x, ppo, **ppo.advantage_params), inputs)
+    except Exception as e:  # the user's code, traced: whatever it raises names it
+        raise ConfigError(f"{key}.advantage: {ppo.advantage} raised {type(e).__name__}: {str(e).splitlines()[0]} "
+                          f"on a batch of {B} samples × {T} tokens") from None
+    shape = getattr(out, "shape", None)
+    if shape != (B, T):
+        what = f"shape {tuple(shape)}" if shape is not None else type(out).__name__
+        raise ConfigError(f"{key}.advantage: {ppo.advantage} returned {what} "
+                          f"on a batch of {B} samples × {T} tokens; an advantage estimator returns one advantage "
+                          f"per token, [B, T] = ({B}, {T})")
 
 
 # training prompts of a built-in domain measured against the context: its held-out set is measured whole
@@ -162,6 +215,7 @@ def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], da
     check_reward_fn("data.reward_fn", data.reward_fn)
     tokenizer, config = described[0] if described else (None, None)
     check_data(data, tokenizer, None if config is None else config.max_position_embeddings, max_new_tokens)
+    check_rewards(data)
     if rollout is not None:
         check_engine("rollout", rollout, config)
         if data.has_environments and config is not None and rollout.episodes.max_tokens > config.max_position_embeddings:
