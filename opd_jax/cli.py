@@ -502,8 +502,11 @@ def main() -> None:
         status = 130
     except typer.TyperException as e:  # click's exceptions, as typer vendors them
         message = e.format_message() if hasattr(e, "format_message") else str(e)
+        words = _command_words()
+        if "--debug" in sys.argv[1:] and words and sys.argv.index("--debug") > sys.argv.index(words[0]):
+            message = f"--debug goes before the command: opd-jax --debug {' '.join(words)} ..."
         if message:  # none after the help that a bare group prints
-            typer.echo(f"error: {message} (see: opd-jax {' '.join(_command_words())} --help)".replace("  ", " "), err=True)
+            typer.echo(f"error: {message} (see: opd-jax {' '.join(words)} --help)".replace("  ", " "), err=True)
         status = getattr(e, "exit_code", USER_ERROR)
     finally:
         if _exit_at_once is not None:

@@ -101,7 +101,7 @@ def test_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["--debug", "train", "rollout.temperature=hot"], env={"COLUMNS": "1000"})
     assert result.exit_code == 2, result.output  # a user error stays one, with its traceback shown too
     assert result.output.startswith("Traceback") and "ConfigError" in result.output
-    assert result.output.index("\nerror: invalid config") > result.output.index("ConfigError")
+    assert result.output.index("\nerror: override 'rollout.temperature=hot'") > result.output.index("ConfigError")
 
     def bug(*args, **kwargs):
         raise KeyError("a bug")
@@ -157,6 +157,7 @@ def test_usage_errors_of_the_command_are_one_line(tmp_path):
          f"error: --out {tmp_path / 'no' / 'k.yaml'}: its directory {tmp_path / 'no'} does not exist", ""),
         (["train"], "error: Invalid value for CONFIG: give a config file", "opd-jax train --help"),
         (["no-such-command"], "error: No such command 'no-such-command'", "opd-jax --help"),
+        (["train", "--debug", "configs/quickstart.yaml"], "error: --debug goes before the command: opd-jax --debug train"),
     ]
     for args, *needles in cases:
         result = installed_command(*args, cwd=Path(__file__).parents[1])

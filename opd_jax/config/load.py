@@ -33,15 +33,25 @@ def _nearest(loc: tuple[Any, ...], schema: type[pydantic.BaseModel]) -> str:
     return f" (did you mean {near[0]}?)" if near else ""
 
 
-def _describe(error: dict[str, Any], schema: type[pydantic.BaseModel], overrides: Sequence[str]) -> str:
-    key = ".".join(str(part) for part in error["loc"]) or "(top level)"
-    source = next((f"override {o!r}: " for o in overrides if key == o.split("=", 1)[0].strip()
-                   or key.startswith(o.split("=", 1)[0].strip() + ".")), "")
+def _describe(error: dict[str, Any], schema: type[pydantic.BaseModel], overrides: Sequence[str]) -> tuple[str, bool]:
+    """One problem as 'key: what' (prefixed by the override that set the key, if one did), and
+    whether an override set it. A section's own check that names one of its fields
+    ('advantage: ...') is put on that field's key."""
+    key = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    field, sep, rest = message.partition(": ")
+    if sep and field.isidentifier() and isinstance(error.get("input"), dict) and field in error["input"]:
+        key, message = f"{key}.{field}" if key else field, rest
+    key = key or "(top level)"
+    override = next((o for o in overrides if key == o.split("=", 1)[0].strip()
+                     or key.startswith(o.split("=", 1)[0].strip() + ".")
+                     or o.split("=", 1)[0].strip().startswith(key + ".")), None)
+    source = f"override {override!r}: " if override is not None else ""
     if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        return f"{source}{key}: unknown key{_nearest(error['loc'], schema)}"
+        return f"{source}{key}: unknown key{_nearest(error['loc'], schema)}", override is not None
     got = error.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{source}{key}: {error['msg']}{shown}"
+    shown = "" if isinstance(got, dict) or f"{got!r}" in message else f" (got {got!r})"
+    return f"{source}{key}: {message}{shown}", override is not None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
@@ -64,7 +74,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     try:
         return schema.model_validate(raw)
     except pydantic.ValidationError as e:
-        problems = "\n  ".join(_describe(err, schema, overrides) for err in e.errors())
+        described = [_describe(err, schema, overrides) for err in e.errors()]
+        if len(described) == 1:  # one line: an override's problem is not blamed on the file
+            problem, by_override = described[0]
+            raise ConfigError(problem if by_override else f"invalid config{f' {path}' if path else ''}: {problem}") from None
+        problems = "\n  ".join(problem for problem, _ in described)
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n  {problems}") from None
 
 

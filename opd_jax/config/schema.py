@@ -166,8 +166,12 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.path is None) == (self.fresh is None):
-            raise ValueError("set exactly one of model.path and model.fresh")
+        if self.path is not None and self.fresh is not None:
+            raise ValueError("set exactly one of model.path and model.fresh; to train the model at model.path, "
+                             "drop the config's fresh model with the override model.fresh=null")
+        if self.path is None and self.fresh is None:
+            raise ValueError("set exactly one of model.path and model.fresh (a pretrained model's directory, or "
+                             "{family: llama, ...} for one built from scratch)")
         if self.dtype == "float16":  # AdamW's small updates vanish in float16 weights
             raise ValueError("model.dtype float16: keep float32 parameters and compute in float16 "
                              "(model.compute_dtype: float16, with dynamic loss scaling)")
