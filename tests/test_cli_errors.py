@@ -165,3 +165,21 @@ def test_usage_errors_of_the_command_are_one_line(tmp_path):
         assert result.returncode == 2 and len(lines) == 1 and not result.stdout, (args, result.stderr)
         assert all(n in lines[0] for n in needles), (args, lines[0])
     assert not (tmp_path / "no").exists()
+
+
+def test_a_plugin_module_in_the_working_directory_is_found_by_the_installed_command(tmp_path):
+    """The `opd-jax` console script's sys.path holds no working directory (python -m's does): a
+    user's my_est.py beside the config is still found, and a missing one says where it looked."""
+    import shutil
+
+    (tmp_path / "my_est.py").write_text("from opd_jax.core.advantages import grpo_estimator as adv\n")
+    command = shutil.which("opd-jax")
+    assert command is not None
+    config = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+    shown = subprocess.run([command, "config", "show", str(config), "algorithm.ppo.advantage=my_est:adv"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert shown.returncode == 0 and "advantage: my_est:adv" in shown.stdout, shown.stderr
+    missing = subprocess.run([command, "config", "show", str(config), "algorithm.ppo.advantage=nope_est:adv"],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 2 and f"looked in the installed packages and in the working directory {tmp_path}" \
+        in missing.stderr, missing.stderr
