@@ -309,17 +309,21 @@ def mismatch(
     config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A training config: its model, prompts and engine.")] = None,  # noqa: E501
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...",
                                                              help="Dotted overrides, e.g. census.samples=64")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Where the report goes (default: logging.run_dir/mismatch).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where the report goes (default: logging.run_dir + _mismatch).")] = None,
     dump: Annotated[bool, typer.Option(help="Also write every token's log-probs (tokens/ENGINE_seedN.npz).")] = False,
     engines: Annotated[Optional[str], typer.Option(help="Only these of census.engines, comma-separated.")] = None,
 ) -> None:
     """Measure the rollout engine's mismatch with the trainer (the census section: engines side by
     side, samples, seeds, bands): mismatch.json, mismatch.md, mismatch.png."""
-    from opd_jax.mismatch import aggregate, run_census, write_report
+    from opd_jax.mismatch import aggregate, census_model, run_census, write_report
 
     _needs_config("mismatch", config_file, overrides)
     config = _load(*_split_overrides(config_file, overrides))
-    where = out or Path(config.logging.run_dir) / "mismatch"
+    run_dir = Path(config.logging.run_dir)
+    where = out or run_dir.with_name(run_dir.name + "_mismatch")  # beside the run, never inside it
+    config, said = census_model(config)
+    if said:
+        typer.echo(said, err=True)
     only = None if engines is None else [e.strip() for e in engines.split(",") if e.strip()]
     result = aggregate(run_census(config, where, dump=dump, only=only, echo=typer.echo))
     write_report(where, result)

@@ -87,10 +87,12 @@ def test_the_same_numerics_agree_and_bf16_does_not(census):
 
 def test_a_bad_engine_entry_is_one_line_naming_it():
     assert_user_error(run_cli("mismatch", *TINY, "census.engines={fp8: {dtyp: bfloat16}}"),
-                      "census.engines.fp8.dtyp: Extra inputs are not permitted")
+                      "census.engines.fp8.dtyp: unknown key (did you mean census.engines.fp8.dtype?)")
     assert_user_error(run_cli("mismatch", *TINY, "census.bands=[[2, 3]]"), "census.bands: [2.0, 3.0] must hold 1")
     assert_user_error(run_cli("mismatch", *TINY, "census.engines={bf16: {dtype: bfloat16}}", "--engines", "bf16,fp8"),
                       "--engines: fp8 not in census.engines (bf16)")
+    assert_user_error(run_cli("mismatch", *TINY, "census.engines={bf16: {dtype: bfloat16}}", "--engines", "bf61"),
+                      "--engines: bf61 not in census.engines (bf16); did you mean bf16?")
     # an engine that cannot serve the model is named before any engine samples (nothing measured is lost)
     late = run_cli("mismatch", *TINY, "rollout.max_new_tokens=4", "census.samples=4",
                    "census.engines={bf16: {dtype: bfloat16}, int4: {dtype: bfloat16, quantization: {kind: int4}}}")
@@ -120,3 +122,36 @@ def test_weight_noise_is_drawn_per_run_seed_and_weight_version():
     for other in (moved(1, 3), moved(0, 4)):
         assert abs(np.corrcoef(a.ravel(), other.ravel())[0, 1]) < 0.2
     assert 0.4 < a.std() / clean.std() < 0.6
+
+
+def test_a_one_seed_census_beside_its_run_writes_strict_json_and_replaces_an_earlier_dump(tmp_path):
+    """One seed: intervals have no bounds, written as null (strict parsers reject NaN). The default
+    report directory is beside the run, not inside it; a config whose model is fresh says it
+    measures a random model; a later census without --dump leaves no earlier dump behind."""
+    run = tmp_path / "run"
+    args = [*TINY, "rollout.max_new_tokens=4", "census.samples=4", "census.seeds=[0]", f"logging.run_dir={run}"]
+    first = run_cli("mismatch", *args, "--dump")
+    assert first.exit_code == 0, first.output
+    out = tmp_path / "run_mismatch"
+    assert not run.exists() and (out / "tokens" / "engine_seed0.npz").exists()
+    assert "note: measuring model.fresh, a randomly initialised model" in first.output
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+    result = json.loads((out / "mismatch.json").read_text(), parse_constant=strict)
+    assert result["engines"]["engine"]["summary"]["tokens"]["abs_dlogp"]["low"] is None
+    second = run_cli("mismatch", *args)
+    assert second.exit_code == 0, second.output
+    assert not (out / "tokens").exists() and (out / "mismatch.json").exists()
+
+
+def test_the_census_measures_the_policy_its_run_trained(tmp_path):
+    from opd_jax.config import load_config
+    from opd_jax.mismatch import census_model
+
+    config = load_config(None, [*TINY, f"logging.run_dir={tmp_path}"])
+    (tmp_path / "hf_policy").mkdir()
+    (tmp_path / "hf_policy" / "config.json").write_text("{}")
+    measured, said = census_model(config)
+    assert measured.model.path == str(tmp_path / "hf_policy") and measured.model.fresh is None
+    assert said.startswith(f"measuring the policy the run trained, {tmp_path / 'hf_policy'}")

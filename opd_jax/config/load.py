@@ -40,7 +40,8 @@ def _describe(error: dict[str, Any], schema: type[pydantic.BaseModel], overrides
     key = ".".join(str(part) for part in error["loc"])
     message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
     field, sep, rest = message.partition(": ")
-    if sep and field.isidentifier() and isinstance(error.get("input"), dict) and field in error["input"]:
+    if (sep and all(part.isidentifier() for part in field.split(".")) and isinstance(error.get("input"), dict)
+            and field.split(".")[0] in error["input"]):
         key, message = f"{key}.{field}" if key else field, rest
     key = key or "(top level)"
     override = next((o for o in overrides if key == o.split("=", 1)[0].strip()

@@ -464,7 +464,7 @@ class CensusSection(Section):
     samples: int = Field(256, gt=0)
     """Responses per engine and seed (drawn in batches of data.prompts_per_step × rollout.samples_per_prompt)."""
     seeds: list[int] = Field([0, 1, 2], min_length=1)
-    """Sampling seeds; every figure is a mean with its 95% Student's t interval over them (2 or more)."""
+    """Sampling seeds; every figure is a mean over them, with its 95% Student's t interval from 2 seeds on (one seed: the figures alone, no interval)."""  # noqa: E501
     engines: dict[str, dict[str, Any]] = {}
     """Engines to compare, by name: each a set of `rollout` keys over the config's (e.g. {bf16: {dtype: bfloat16}, fp8: {dtype: bfloat16, quantization: {kind: fp8}}}); empty: the config's engine alone."""  # noqa: E501
     bands: list[tuple[float, float]] = [(0.5, 2.0), (0.5, 5.0), (0.8, 1.2)]
@@ -488,8 +488,15 @@ class CensusSection(Section):
             try:
                 out[name] = RolloutSection.model_validate(_merged(rollout.model_dump(), keys))
             except ValidationError as e:
-                problems = "; ".join("".join(f".{part}" for part in p["loc"]) + f": {p['msg']}" for p in e.errors())
-                raise ValueError(f"census.engines.{name}{problems}") from None
+                from opd_jax.config.load import _nearest  # load reads this module
+
+                def problem(p: dict[str, Any]) -> str:
+                    where = "".join(f".{part}" for part in p["loc"])
+                    if p["type"] == "extra_forbidden":  # as for any config key: the nearest one named
+                        near = _nearest(p["loc"], RolloutSection).replace("did you mean ", f"did you mean census.engines.{name}.")
+                        return f"{where}: unknown key{near}"
+                    return f"{where}: {p['msg']}"
+                raise ValueError(f"census.engines.{name}" + "; ".join(problem(p) for p in e.errors())) from None
         return out
 
 

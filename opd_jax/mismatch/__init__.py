@@ -2,8 +2,8 @@
 grows with response length (census: sampling and scoring; figures: the formulas; report: the
 tables and plots)."""
 
-from opd_jax.mismatch.census import run_census
+from opd_jax.mismatch.census import census_model, run_census
 from opd_jax.mismatch.figures import Tokens, census_figures
 from opd_jax.mismatch.report import aggregate, write_report
 
-__all__ = ["Tokens", "aggregate", "census_figures", "run_census", "write_report"]
+__all__ = ["Tokens", "aggregate", "census_figures", "census_model", "run_census", "write_report"]

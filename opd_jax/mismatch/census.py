@@ -8,7 +8,9 @@ to `tokens/ENGINE_seedN.npz`); `report` writes mismatch.json, mismatch.md and th
 
 from __future__ import annotations
 
+import difflib
 import functools
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,6 +88,22 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
                     "generated": generated}
 
 
+def census_model(config: TrainConfig) -> tuple[TrainConfig, str]:
+    """The model the census measures, and a note saying which: a config whose model is built fresh
+    (random weights) measures the policy its run trained (logging.run_dir/hf_policy) when that run
+    exported one, else its random model, said so."""
+    if config.model.fresh is None:
+        return config, ""
+    trained = Path(config.logging.run_dir) / "hf_policy"
+    if (trained / "config.json").is_file():
+        model = config.model.model_copy(update={"path": str(trained), "fresh": None})
+        return config.model_copy(update={"model": model}), (
+            f"measuring the policy the run trained, {trained} (the config's model.fresh is a random model; "
+            f"give model.path to measure another)")
+    return config, (f"note: measuring model.fresh, a randomly initialised model: {trained} holds no trained "
+                    f"policy (train first, or give model.path=...)")
+
+
 def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequence[str] | None = None,
                echo: Callable[[str], None] = print) -> dict[str, Any]:
     """The census of every engine (or those named in `only`) and seed: {"engines": {name: {"kind",
@@ -94,8 +112,12 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequ
     if only is not None:
         unknown = [name for name in only if name not in engines]
         if unknown:
-            raise ConfigError(f"--engines: {', '.join(unknown)} not in census.engines ({', '.join(engines)})")
+            near = difflib.get_close_matches(unknown[0], list(engines), n=1)
+            raise ConfigError(f"--engines: {', '.join(unknown)} not in census.engines ({', '.join(engines)})"
+                              + (f"; did you mean {near[0]}?" if near else ""))
         engines = {name: engines[name] for name in only}
+    for stale in ("tokens", "scratch"):  # an earlier (or interrupted) census's: never mixed with this one's
+        shutil.rmtree(out / stale, ignore_errors=True)
     policy, tokenizer = build_model(config.model)
     for name, rollout in engines.items():  # every engine checked before any samples: nothing measured is lost
         check_engine(f"census.engines.{name}" if config.census.engines else "rollout", rollout, policy.config)

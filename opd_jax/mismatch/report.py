@@ -5,6 +5,7 @@ engine by decile of trainer probability and by response position) and mismatch.p
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +101,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_report(out: Path, result: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mismatch.json").write_text(json.dumps(result, indent=1))
+    # strict JSON (jq, JSON.parse): a figure without a value (one seed's interval) is null, not NaN
+    (out / "mismatch.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
     (out / "mismatch.md").write_text(markdown(result))
     plot(result, out / "mismatch.png")
