@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable
@@ -60,10 +61,22 @@ def _speaks_plainly(command: Callable) -> Callable:
         except KeyboardInterrupt as e:
             if _debug:
                 raise
-            typer.echo("stopped: interrupted", err=True)
+            typer.echo(f"stopped: interrupted; {_again_hint()}", err=True)
             _stop_at_once(e)
             raise typer.Exit(130) from None
     return run
+
+
+# what running an interrupted command again does, for those whose own runs do not say it
+_AGAIN = {"sweep": "its finished runs are kept and interrupted ones resume",
+          "mismatch": "the census starts over (nothing of this one is kept)"}
+
+
+def _again_hint() -> str:
+    """'run `opd-jax ...` again (what that does)' for the command line that was interrupted."""
+    words = _command_words()
+    what = _AGAIN.get(words[0], "") if words else ""
+    return f"run `opd-jax {shlex.join(sys.argv[1:])}` again" + (f" ({what})" if what else "")
 
 
 def _stop_at_once(error: BaseException) -> None:

@@ -85,3 +85,11 @@ def test_the_warm_start_loss_reaches_tensorboard_and_the_summary_matches_the_met
     assert f"mismatch (mean over 2 steps): |Δlogp| {dlogp:.4f}, outside the band" in summary
     assert "routing flips" not in summary  # a dense policy
     assert "hf_policy/" not in summary and "metrics.jsonl" in summary  # TINY exports no policy
+    assert "LoRA" not in summary
+    # the same directory as a LoRA run's (its config says so): the summary names it
+    config = (run_dir / "config.yaml").read_text().replace("  lora: null", "  lora: {rank: 4, alpha: 8.0, "
+                                                           "targets: [q_proj, v_proj], base_quantization: {kind: int4}}")
+    assert "lora: {rank: 4" in config
+    (run_dir / "config.yaml").write_text(config)
+    assert ("LoRA: rank 4, alpha 8 on q_proj, v_proj; only the adapters trained, on a frozen int4 base"
+            in run_summary(run_dir, {"steps": 1.0}))

@@ -161,6 +161,8 @@ def test_resume_with_a_changed_config_keeps_the_config_history(straight, tmp_pat
         (run_dir / "config_history" / "2.yaml").read_bytes()
     saved = lambda files: {k: v for k, v in files.items() if "checkpoints/" in k and "orbax.log" not in k}  # noqa: E731
     assert saved(hashes(run_dir)) == saved(before)
+    manifest = json.loads((run_dir / "run.json").read_text())  # refused: still the finished run it was
+    assert manifest["status"] == "finished" and manifest["attempts"][-1]["status"] == "refused"
     # the KL term turned off: its reference is in the checkpoint, and the error says why it matters
     off = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "algorithm.ppo.kl.coef=0.0")
     one_line_error(off, "checkpoint step 8 does not fit this config", "the KL term was turned off",

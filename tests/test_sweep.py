@@ -232,6 +232,8 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     os.killpg(process.pid, signal.SIGINT)
     output = process.communicate(timeout=120)[0].decode()
     assert process.returncode != 0, output
+    assert (f"stopped: interrupted; run `opd-jax sweep {path} --out {part}` again (its finished runs are kept and "
+            f"interrupted ones resume)") in output, output
     assert json.loads((part / "a" / "seed1" / "run.json").read_text())["status"] != "finished", output
     assert not (part / "a" / "seed2").exists(), output
     resumed = run_sweep(Sweep(path, part), echo=lambda _: None)

@@ -123,6 +123,26 @@ def plot_curves(metrics_path: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def _lora(run_dir: Path) -> str | None:
+    """'LoRA: ...' when the run trained adapters on a frozen base (its config's model.lora, or a
+    merge's student.lora), else None."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    config = yaml.safe_load(path.read_text()) if path.exists() else None
+    if not isinstance(config, dict):
+        return None
+    lora = next((section.get("lora") for section in (config.get("model"), config.get("student"))
+                 if isinstance(section, dict) and section.get("lora")), None)
+    if not isinstance(lora, dict):
+        return None
+    targets = lora.get("targets", "all-linear")
+    base = (lora.get("base_quantization") or {}).get("kind")
+    return (f"LoRA: rank {lora.get('rank')}, alpha {lora.get('alpha'):g} on "
+            f"{targets if isinstance(targets, str) else ', '.join(targets)}; only the adapters trained, on a frozen "
+            f"{base + ' ' if base else ''}base (hf_policy/ is merged, hf_policy/adapter/ the adapters alone)")
+
+
 def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
     """What a finished run did, for the terminal: held-out accuracy per domain at the first and
     last evaluation, the train/inference mismatch over the steps (and a MoE policy's routing
@@ -145,6 +165,9 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
                      f"(last 10 steps: {float(np.mean(losses[-10:])):.4g})")
     else:
         lines.append("held-out accuracy: none (no held-out prompts)")
+    lora = _lora(run_dir)
+    if lora is not None:
+        lines.append(lora)
     steps = [r for r in rows if "mismatch_abs_logp_diff" in r]
     engine = _engine(run_dir)
     if engine is not None:

@@ -45,6 +45,7 @@ class RunDirectory:
     def __init__(self, path: str | Path, command: str):
         self.path, self.command = Path(path), command
         self._lock = None
+        self.status_before: str | None = None  # the run's status before this attempt
         self.manifest: dict[str, Any] = {}
 
     # -- opening -------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class RunDirectory:
             self._release()
             raise
         announce_holder(self._lock, self.command)
+        self.status_before = self.manifest.get("status")
         attempts = self.manifest.setdefault("attempts", [])
         if not resume and attempts:  # a same-command run that stopped before its first checkpoint
             self.manifest["attempts"] = attempts = []
@@ -135,10 +137,11 @@ class RunDirectory:
         return path.read_text() if path.exists() else None
 
     def close(self, status: str, **details: Any) -> None:
-        """Record how this attempt ended ("finished", "interrupted", "failed") and release the lock."""
+        """Record how this attempt ended ("finished", "interrupted", "failed"; "refused": a resume
+        that changed nothing, so the run keeps the status it had) and release the lock."""
         if self._lock is None:
             return
-        self.manifest["status"] = status
+        self.manifest["status"] = (self.status_before or "failed") if status == "refused" else status
         self.manifest["attempts"][-1].update(ended=now(), status=status, **details)
         with contextlib.suppress(OSError):  # a full disk must not hide the error that ended the run
             self._write_manifest()

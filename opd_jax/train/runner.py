@@ -181,6 +181,9 @@ def run(config: Any, task: Task, *, resume: bool = False, force: bool = False,
     except Interrupted as e:
         status, details = "interrupted", {"message": str(e)}
         raise
+    except CheckpointMismatch as e:  # a refused resume wrote nothing: the run keeps the status it had
+        status, details = "refused", {"error": f"{type(e).__name__}: {e}"}
+        raise
     except KeyboardInterrupt:  # a second Ctrl-C: stopped wherever it was, a partial checkpoint removed
         status = "interrupted"
         stopped = Interrupted(f"SIGINT twice: stopped at once; {_continue_hint(run_dir)}", signals.exit_status(),
