@@ -4,6 +4,7 @@ PEFT's; only the adapters (and a critic's value head) train."""
 
 import asyncio
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from opd_jax.core.update import accumulate_grads, apply_update, split_trainable,
 from opd_jax.models import KVCache, ValueModel, load_model, save_model
 from opd_jax.models.adapter_io import load_adapter, read_adapter_config, save_adapter
 from opd_jax.models.config import ModelFormatError
+from opd_jax.models.io import export_model
 from opd_jax.models.lora import LoraConfig, bank
 
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 9)).astype(np.int32)
@@ -72,6 +74,23 @@ def test_peft_loads_our_adapter_with_our_logits_and_the_merged_export_is_the_sam
     save_model(model, tmp_path / "merged")  # adapters folded into the weights
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     _close(ours, hf_logits(merged, TOKENS))
+
+
+def test_an_adapter_on_a_base_built_fresh_is_exported_with_its_base(base_dir, tmp_path):
+    """A LoRA run on model.fresh: its base exists nowhere else, so the export writes it beside the
+    adapter (PATH/base) and names it in adapter_config.json; PEFT loads the pair by that name
+    alone (AutoPeftModelForCausalLM) with our logits."""
+    model = _adapted(base_dir, ("q_proj", "v_proj"))
+    _randomise_b(model)
+    ours = np.asarray(model(jnp.asarray(TOKENS)))
+    export_model(model, tmp_path / "hf_policy")  # no base_model: built fresh
+    recorded = json.loads((tmp_path / "hf_policy" / "adapter" / "adapter_config.json").read_text())
+    assert recorded["base_model_name_or_path"] == str((tmp_path / "hf_policy" / "base").resolve())
+    base, _ = load_model(tmp_path / "hf_policy" / "base")
+    reference, _ = load_model(base_dir)
+    np.testing.assert_array_equal(np.asarray(base(jnp.asarray(TOKENS))), np.asarray(reference(jnp.asarray(TOKENS))))
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "hf_policy" / "adapter").eval()
+    _close(ours, hf_logits(loaded, TOKENS))
 
 
 def test_we_load_an_adapter_peft_trained_with_its_logits(base_dir, tmp_path):

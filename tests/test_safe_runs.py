@@ -164,7 +164,7 @@ def test_resume_with_a_changed_config_keeps_the_config_history(straight, tmp_pat
     manifest = json.loads((run_dir / "run.json").read_text())  # refused: still the finished run it was
     assert manifest["status"] == "finished" and manifest["attempts"][-1]["status"] == "refused"
     # the KL term turned off: its reference is in the checkpoint, and the error says why it matters
-    off = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "algorithm.ppo.kl.coef=0.0")
+    off = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume", "steps=10", "algorithm.ppo.kl.coef=0.0")
     one_line_error(off, "checkpoint step 8 does not fit this config", "the KL term was turned off",
                    "algorithm.ppo.kl.coef 0.01 -> 0.0", "keep it on", started=True)
     assert saved(hashes(run_dir)) == saved(before)

@@ -19,7 +19,7 @@ from opd_jax.models.adapter_io import save_adapter
 from opd_jax.models.config import ModelConfig, ModelFormatError
 from opd_jax.models.decoder import Decoder
 from opd_jax.models.gguf_io import read_gguf
-from opd_jax.models.lora import merged_params
+from opd_jax.models.lora import base_params, merged_params
 from opd_jax.models.tokenizer import Tokenizer
 from opd_jax.models.weights import build_from_params, check_hf_tensors, params_from_hf, params_to_hf
 
@@ -135,8 +135,14 @@ def export_model(model: Decoder, path: str | os.PathLike, tokenizer: Tokenizer |
                  base_model: str | None = None) -> Path:
     """What a run exports: `model` as a Hugging Face directory (`save_model`; adapters merged) and,
     for a model with LoRA adapters, the adapters alone in PEFT's format in PATH/adapter
-    (`base_model`: the base they apply to, as PEFT records it)."""
+    (`base_model`: the base they apply to, as PEFT records it). A base that exists nowhere else
+    (built fresh: `base_model` None) is written beside them, to PATH/base, and named as theirs, so
+    the adapters can always be loaded."""
     path = save_model(model, path, tokenizer)
     if model.config.lora is not None:
+        if base_model is None:
+            config, params = base_params(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+            base = build_from_params(Decoder, config, params)
+            base_model = str(save_model(base, path / "base", tokenizer).resolve())
         save_adapter(model, path / "adapter", base_model=base_model)
     return path

@@ -212,6 +212,16 @@ def adapts_routed_experts(config: Any) -> bool:
             and any(config.lora.adapts(w) for w in ("expert_gate", "expert_up", "expert_down")))
 
 
+def base_params(config: Any, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(config, pure parameter dict) of the frozen base under a model's adapters: the adapters
+    dropped, a quantized base dequantized."""
+    if config.lora is None:
+        return config, params
+    dtype = params["backbone"]["embed"].dtype
+    layers = _dequantized({k: v for k, v in params["backbone"]["layers"].items() if not is_adapter(k)}, dtype)
+    return dataclasses.replace(config, lora=None), {**params, "backbone": {**params["backbone"], "layers": layers}}
+
+
 def merged_params(config: Any, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """(config, pure parameter dict) of a model with adapters -> the same function as a plain
     model: each adapter folded into its weight, a quantized base dequantized (what an engine runs
