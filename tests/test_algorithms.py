@@ -236,6 +236,14 @@ def test_a_user_estimator_trains_through_opd_jax_train_without_a_critic(tmp_path
         assert uninformative == row["rollout/dynamic_uninformative_groups"], (groups, row)
         if row["rollout/dynamic_draw_rounds"] == 1.0:
             assert uninformative == 0 and row["rollout/dynamic_dropped_groups"] == 0
+        # the advantages dumped are the ones the step trained on: scaled_grpo (scale 2) from the
+        # rewards, written from its formula here, on every loss-mask token, 0 elsewhere
+        expected = 2 * (rewards.reshape(4, 4) - rewards.reshape(4, 4).mean(axis=1, keepdims=True)).reshape(-1)
+        for d, a in zip(dumped, expected):
+            mask = np.asarray(d["loss_mask"])
+            np.testing.assert_allclose(np.asarray(d["advantages"])[mask == 1], a, rtol=1e-6, atol=1e-6)
+            assert np.all(np.asarray(d["advantages"])[mask == 0] == 0)
+        assert "targets/advantages" not in row
     memory = json.loads((tmp_path / "memory.json").read_text())
     assert memory["critic"] is False and memory["critic_gib"] == 0.0
     assert checkpoint_steps(tmp_path)[-1] == 2

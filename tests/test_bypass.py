@@ -56,8 +56,24 @@ def test_a_bypass_run_trains_on_the_engines_log_probs(tmp_path):
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "policy/loss" in r]
-    # θ_old is the (bf16) engine: the batch shows no mismatch, the first update's ratio carries it
+    # θ_old is the (bf16) engine: the batch shows no mismatch, the first update's ratio carries it,
+    # and its first forward measures it (bf16 against f32: above float noise, below a real gap)
     assert trained and all(r["mismatch_abs_logp_diff"] == 0 for r in trained)
+    measured = [r["policy/engine_abs_logp_diff"] for r in trained]
+    assert all(1e-6 < m < 0.1 for m in measured), measured
+    assert f"|Δlogp| {np.mean(measured):.4f} (π_θ at each update’s first forward against the engine)" in result.output
+
+
+def test_the_first_forward_measures_the_recompute_runs_mismatch_too():
+    """In the recompute mode π_θ at the first update's forward is θ_old: its |Δlogp| against the
+    engine equals the batch's figure, from NumPy on the scored batch."""
+    state = make_state(optax.sgd(0.1), optax.sgd(0.1))
+    scored = scored_batch(state)
+    _, metrics = jax.jit(functools.partial(ppo_step, config=PPOConfig(surrogate=NONE), group_size=1))(state, scored)
+    mask = np.asarray(scored.response_mask) > 0
+    by_hand = np.abs(np.asarray(scored.logp_old) - np.asarray(scored.logp_infer))[mask].mean()
+    np.testing.assert_allclose(float(metrics["policy/engine_abs_logp_diff"]), by_hand, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["mismatch_abs_logp_diff"]), by_hand, rtol=1e-5)
 
 
 def test_a_correction_between_theta_old_and_the_engine_is_refused_with_it():

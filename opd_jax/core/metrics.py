@@ -6,6 +6,8 @@ updates by their mean), or wrapped:
     Summed(x): micro-batch values add up (a loss term already divided by the whole mini-batch's
                normalizer, a count); updates average
     Maxed(x):  the maximum over micro-batches and over updates
+    First(x):  a token mean over micro-batches; of the updates, the first's (a figure of the
+               policy before this step moved it)
 
 Steps return plain arrays (`unwrap`), so callers never see the wrappers."""
 
@@ -41,6 +43,11 @@ class Maxed(_Reduced):
     value: jax.Array
 
 
+@flax.struct.dataclass
+class First(_Reduced):
+    value: jax.Array
+
+
 Metrics = dict[str, Any]
 
 
@@ -54,6 +61,8 @@ def combine_microbatches(per_micro: Metrics, counts: jax.Array) -> Metrics:
             out[name] = Summed(jnp.sum(m.value))
         elif isinstance(m, Maxed):
             out[name] = Maxed(jnp.max(m.value))
+        elif isinstance(m, First):
+            out[name] = First(jnp.sum(m.value * counts) / total)
         else:
             out[name] = jnp.sum(m * counts) / total
     return out
@@ -61,8 +70,14 @@ def combine_microbatches(per_micro: Metrics, counts: jax.Array) -> Metrics:
 
 def combine_updates(per_update: Metrics) -> Metrics:
     """Metrics of every update of a step (leading axes: epochs × mini-batches) as one number
-    each, unwrapped: Maxed the maximum, the others the mean."""
-    return {name: jnp.max(m.value) if isinstance(m, Maxed) else jnp.mean(unwrap(m)) for name, m in per_update.items()}
+    each, unwrapped: Maxed the maximum, First the first update's, the others the mean."""
+    def one(m: Any) -> jax.Array:
+        if isinstance(m, Maxed):
+            return jnp.max(m.value)
+        if isinstance(m, First):
+            return jnp.reshape(m.value, (-1,))[0]
+        return jnp.mean(unwrap(m))
+    return {name: one(m) for name, m in per_update.items()}
 
 
 def unwrap(m: Any) -> jax.Array:

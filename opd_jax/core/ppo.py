@@ -47,7 +47,7 @@ from opd_jax.core.losses import (
     policy_loss,
     value_loss,
 )
-from opd_jax.core.metrics import prefixed
+from opd_jax.core.metrics import First, prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_weights
 from opd_jax.core.optim import loss_scale_of
 from opd_jax.core.registry import ADVANTAGE_ESTIMATORS, AdvantageInputs, Part
@@ -281,7 +281,12 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
                                     eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=weights,
                                     agg=surrogate.loss_agg, normalizer=normalizer, kind=surrogate.kind)
         entropy_mean, _, _ = aggregate(entropy, t.mask, surrogate.loss_agg, normalizer)
-        metrics = {**metrics, "loss": summed_loss(loss), "entropy": summed_loss(entropy_mean)}
+        metrics = {**metrics, "loss": summed_loss(loss), "entropy": summed_loss(entropy_mean),
+                   # |log π_θ − log π_engine| at the step's first forward, where π_θ is still the
+                   # trainer's θ_old: the mismatch, measured even where θ_old is not recomputed
+                   "engine_abs_logp_diff": First(jnp.sum(jnp.where(t.mask > 0, jnp.abs(jax.lax.stop_gradient(logp)
+                                                                                       - t.batch.logp_infer), 0.0))
+                                                 / jnp.maximum(jnp.sum(t.mask), 1.0))}
         if surrogate.entropy_coef > 0:
             loss = loss - surrogate.entropy_coef * entropy_mean
         if use_kl_loss:
@@ -369,11 +374,13 @@ def _targets(batch: RolloutBatch, config: PPOConfig, group_size: int) -> tuple[_
 
 
 def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_size: int = 1,
-             temperature: float = 1.0) -> tuple[PPOState, dict[str, jax.Array]]:
+             temperature: float = 1.0, with_targets: bool = False) -> tuple[PPOState, dict[str, jax.Array]]:
     """One PPO iteration on a scored batch (see the module docstring). group_size: samples per
     prompt (consecutive rows; GRPO's groups); temperature: the engine's sampling temperature, at
     which the policy's log-probs are taken (score_batch must use the same). Metrics are combined
-    over the epochs x mini-batches updates (maxima kept): "policy/*", "critic/*", and batch stats."""
+    over the epochs x mini-batches updates (maxima kept): "policy/*", "critic/*", and batch stats;
+    with_targets adds the [B, T] advantages and returns the updates used ("targets/advantages",
+    "targets/returns"), as computed once for them (what logging.dump_rollouts writes)."""
     if config.uses_critic and not state.has_critic:
         raise ValueError(f"advantage {config.advantage} needs a critic, and the state has none: create it with one")
     if batch.logp_old is None or (config.uses_critic and batch.old_values is None):
@@ -406,6 +413,10 @@ def ppo_step(state: PPOState, batch: RolloutBatch, *, config: PPOConfig, group_s
     (policy, policy_opt, critic, critic_opt), metrics = run_updates(update, carry, targets, config.update)
     metrics.update(stats)
     metrics["policy/trained"] = train_policy.astype(jnp.float32)
+    if with_targets:
+        metrics["targets/advantages"] = targets.advantages
+        if targets.returns is not None:
+            metrics["targets/returns"] = targets.returns
     new_state = state.replace(step=state.step + 1, policy=policy, policy_opt=policy_opt, critic=critic,
                               critic_opt=critic_opt)
     return new_state, metrics

@@ -26,15 +26,17 @@ def _local_rows(x: jax.Array) -> np.ndarray:
     return full[jax.process_index() * n:(jax.process_index() + 1) * n]
 
 
-def _round(values: np.ndarray) -> list[float]:
-    return [round(float(v), 6) for v in values]
+def _exact(values: np.ndarray) -> list[float]:
+    """float32 values as JSON numbers that read back to the same float32 (9 significant digits)."""
+    return [float(f"{v:.9g}") for v in np.asarray(values, np.float32)]
 
 
 def dump_rollouts(path: Path, step: int, trajectories: Sequence[Trajectory], scored: RolloutBatch,
                   extra: dict[str, jax.Array], tokenizer: Tokenizer) -> None:
     """One JSON object per trajectory: its ids and text, prompt length, loss mask, engine and
-    trainer log-probs, token rewards, the return, values and `extra` per-token arrays
-    (advantages, returns), each over prompt + response, cut at the row's real tokens."""
+    trainer log-probs, token rewards, the return, values and `extra` per-token arrays (the
+    advantages and returns the step trained on, as it computed them), each over prompt + response,
+    cut at the row's real tokens, as float32 exactly (9 significant digits)."""
     fields = {"logp_engine": scored.logp_infer, "logp_trainer": scored.logp_old, "values": scored.old_values,
               "token_rewards": scored.token_rewards, **extra}
     host = {k: _local_rows(v) for k, v in fields.items() if v is not None}
@@ -51,5 +53,5 @@ def dump_rollouts(path: Path, step: int, trajectories: Sequence[Trajectory], sco
                 "weight_versions": list(t.weight_versions), "prompt_len": len(t.prompt_ids), "token_ids": ids,
                 "text": tokenizer.decode(ids), "loss_mask": [int(m) for m in mask[i, :n]],
                 "turn_rewards": list(t.turn_rewards), "reward": float(rewards[i]),
-                **{k: _round(v[i, :n]) for k, v in host.items()}}
+                **{k: _exact(v[i, :n]) for k, v in host.items()}}
             f.write(json.dumps(row) + "\n")

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from opd_jax.config import TrainConfig, scoring_temperature
-from opd_jax.core import PPOState, advantages_and_returns, make_optimizer, ppo_step, score_batch
+from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch
 from opd_jax.core.update import trainable
 from opd_jax.models import export_model
 from opd_jax.run_files import checkpoint_steps
@@ -57,9 +57,8 @@ class PPOTask(Task):
         self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing,
                                             old_logprobs=config.algorithm.ppo.old_logprobs)
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
-                                         group_size=config.rollout.samples_per_prompt, temperature=temperature)
-        self._advantages = jax.jit(functools.partial(advantages_and_returns, config=config.algorithm.ppo,
-                                                     group_size=config.rollout.samples_per_prompt))
+                                         group_size=config.rollout.samples_per_prompt, temperature=temperature,
+                                         with_targets=config.logging.dump_rollouts)
 
     def check_inputs(self) -> None:
         check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
@@ -92,10 +91,6 @@ class PPOTask(Task):
 
     def policy_params(self, state: PPOState):
         return state.policy
-
-    def dump_fields(self, scored, extra: dict[str, Any]) -> dict[str, Any]:
-        advantages, returns = self._advantages(scored)
-        return {"advantages": advantages, **({} if returns is None else {"returns": returns})}
 
     def name_metrics(self, metrics: dict[str, Any], extra: dict[str, Any]) -> dict[str, float]:
         metrics = super().name_metrics(metrics, extra)

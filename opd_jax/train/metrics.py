@@ -176,7 +176,13 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
     if steps:
         # over the steps that logged the key (a policy number is missing on the critic's warm-up steps)
         mean = lambda key: float(np.mean([r[key] for r in steps if key in r] or [0.0]))  # noqa: E731
-        line = (f"mismatch (mean over {len(steps)} steps): |Δlogp| {mean('mismatch_abs_logp_diff'):.4f}, "
+        # the bypass mode takes θ_old from the engine, so its batch figure is 0 by construction: the
+        # update's first forward measures the mismatch there
+        bypass = any(r.get("policy/engine_abs_logp_diff", 0) > 0 for r in steps) and \
+            mean("mismatch_abs_logp_diff") == 0
+        dlogp = mean("policy/engine_abs_logp_diff") if bypass else mean("mismatch_abs_logp_diff")
+        line = (f"mismatch (mean over {len(steps)} steps): |Δlogp| {dlogp:.4f}"
+                f"{' (π_θ at each update’s first forward against the engine)' if bypass else ''}, "
                 f"outside the band {mean('mismatch_outside_band_frac'):.2%}")
         if "policy/moe/flip_frac" in steps[-1]:
             line += f", routing flips {mean('policy/moe/flip_frac'):.2%} of token-layers"

@@ -122,7 +122,8 @@ class Task:
         return scored
 
     def dump_fields(self, scored: Any, extra: dict[str, Any]) -> dict[str, Any]:
-        """Per-token arrays [B, T] worth seeing beside each dumped trajectory (advantages, ...)."""
+        """Per-token arrays [B, T] of the step's inputs worth seeing beside each dumped trajectory
+        (the step's own, such as the advantages it trained on, come as its "targets/*" metrics)."""
         return {}
 
     def name_metrics(self, metrics: dict[str, np.ndarray], extra: dict[str, Any]) -> dict[str, float]:
@@ -404,10 +405,12 @@ def _train_step(config: Any, task: Task, state: Any, session: RolloutSession | N
     if compiled["score"] is not None:
         scored = compiled["score"](state, scored)
     on_mesh = shard(extra, batch_shardings(extra, mesh)) if extra else extra
-    if config.logging.dump_rollouts:  # before the step, which donates the state the fields are taken from
-        dump_rollouts(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1, rollouts, scored,
-                      task.dump_fields(scored, on_mesh), task.tokenizer)
     state, step_metrics = compiled["step"](state, task.step_input(scored, on_mesh))
+    # per-token arrays the step used (its advantages, ...): dumped, never logged as metrics
+    used = {k.removeprefix("targets/"): step_metrics.pop(k) for k in list(step_metrics) if k.startswith("targets/")}
+    if config.logging.dump_rollouts:  # the scored batch is not donated: still whole after the step
+        dump_rollouts(run_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1, rollouts, scored,
+                      {**task.dump_fields(scored, on_mesh), **used}, task.tokenizer)
     metrics.update(task.name_metrics({k: np.asarray(v) for k, v in step_metrics.items()}, extra))
     task.check_finite(step + 1, metrics)
     if session is not None:
