@@ -527,6 +527,9 @@ def main() -> None:
         status = getattr(e, "exit_code", USER_ERROR)
     finally:
         if _exit_at_once is not None:
+            from opd_jax.train.signals import run_last
+
+            run_last()  # e.g. a partial checkpoint that orbax's threads recreated is removed once more
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_exit_at_once)

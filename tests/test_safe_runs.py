@@ -291,6 +291,8 @@ def test_ctrl_c_twice_during_a_save_stops_at_once_cleanly_with_a_hint_that_works
                                 "with: opd-jax train --resume "), stopped.stderr
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
     assert checkpoint_steps(run_dir) == [2]
+    # the partial save is gone when the process ends (orbax's threads recreate it after its removal)
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
     resumed = cli(*shlex.split(lines[-1].split("continue with: ")[1])[1:])  # the command it printed, as printed
     assert resumed.exit_code == 0, resumed.output
     assert checkpoint_steps(run_dir) == [2, 4, 6]

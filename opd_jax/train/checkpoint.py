@@ -29,6 +29,7 @@ import json
 import logging
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from flax import nnx
 
 from opd_jax.core.update import joined, split_trainable
 from opd_jax.run_files import write_json
+from opd_jax.train import signals
 from opd_jax.train.errors import RunError
 
 _ABSL = logging.getLogger("absl")  # orbax logs through absl
@@ -210,6 +212,14 @@ class Checkpoints:
         except KeyboardInterrupt:
             self._remove_partial()
             self._abandoned = True  # orbax's writer threads may still run: their complaints go to orbax.log
+            # ...and recreate the step's temporary directory about 0.5 s later: remove it again as
+            # they do, and once more as the process ends
+            signals.at_exit_at_once(self._remove_partial)
+            deadline = time.monotonic() + 1.5
+            with contextlib.suppress(KeyboardInterrupt):
+                while time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    self._remove_partial()
             raise
         except Exception as e:
             removed = self._remove_partial()

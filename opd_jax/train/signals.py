@@ -7,12 +7,26 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from opd_jax.train.errors import Interrupted
 
 _requested: list[int] = []
 _depth: list[int] = []  # blocks entered and not left (one entry each)
+_before_exit: list[Callable[[], None]] = []  # what a command stopped at once does last (see at_exit_at_once)
+
+
+def at_exit_at_once(fn: Callable[[], None]) -> None:
+    """Have `fn` called just before a command stopped by a second Ctrl-C ends its process (`run_last`):
+    what threads left running (orbax's writers) may recreate until then gets removed once more."""
+    _before_exit.append(fn)
+
+
+def run_last() -> None:
+    """Call what `at_exit_at_once` registered (errors ignored: the process is ending)."""
+    for fn in _before_exit:
+        with contextlib.suppress(Exception):
+            fn()
 
 
 def requested() -> str | None:
