@@ -393,3 +393,31 @@ def test_a_source_without_held_out_prompts_logs_no_accuracy(tmp_path):
     assert result.exit_code == 0, result.output
     assert not any(k.startswith("eval/") for r in read_metrics(tmp_path / "run" / "metrics.jsonl") for k in r)
     assert "held-out accuracy: none" in result.output
+
+
+def test_two_ctrl_c_during_one_long_call_count_as_two():
+    """Python runs a signal's handler once for any number of that signal arriving while the main
+    thread is in one C call (a short checkpoint save): two Ctrl-C there must still stop at once.
+    Here the call is a hash of 256 MiB; a thread sends SIGINT twice while it runs."""
+    import hashlib
+    import threading
+
+    from opd_jax.train import signals
+
+    def twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    data = b"x" * (256 << 20)
+    with signals.stop_at_step_boundary():
+        sender = threading.Timer(0.05, twice)
+        with pytest.raises(KeyboardInterrupt):
+            sender.start()
+            for _ in range(20):  # C calls of ~0.3 s each: both signals land inside one of them
+                hashlib.sha256(data).digest()
+        sender.join()
+    with signals.stop_at_step_boundary():  # one Ctrl-C is a request, as before
+        os.kill(os.getpid(), signal.SIGINT)
+        hashlib.sha256(data[:1 << 20]).digest()
+        assert signals.requested() == "SIGINT"

@@ -5,6 +5,7 @@ second Ctrl-C stops at once (KeyboardInterrupt)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -47,8 +48,25 @@ def stop_if_requested(during: str, restart_hint: str = "run the same command aga
                           exit_status())
 
 
+# Python runs a handler once for any number of the same signal that arrived during one long C call
+# (a short checkpoint save): the wakeup fd gets a byte per signal delivered, so two Ctrl-C count as two
+_wakeup: list[int] = []  # the read end of the wakeup pipe while a block is active
+
+
+def _delivered_sigints() -> int:
+    """How many SIGINTs the process received since the last call (from the wakeup pipe's bytes)."""
+    if not _wakeup:
+        return 1
+    count = 0
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(_wakeup[0], 512):
+            count += chunk.count(signal.SIGINT)
+    return max(count, 1)
+
+
 def _handle(signum: int, frame) -> None:
-    if _requested and signum == signal.SIGINT:
+    sigints = _delivered_sigints() if signum == signal.SIGINT else 0
+    if signum == signal.SIGINT and (_requested or sigints > 1):
         raise KeyboardInterrupt
     _requested.append(signum)
 
@@ -66,6 +84,11 @@ def stop_at_step_boundary() -> Iterator[None]:
             _depth.pop()
         return
     _requested.clear()
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    _wakeup.append(read)
     previous = {s: signal.signal(s, _handle) for s in (signal.SIGINT, signal.SIGTERM)}
     _depth.append(1)
     try:
@@ -74,4 +97,8 @@ def stop_at_step_boundary() -> Iterator[None]:
         _depth.pop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.set_wakeup_fd(previous_fd)
+        _wakeup.clear()
+        os.close(read)
+        os.close(write)
         _requested.clear()
