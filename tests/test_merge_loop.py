@@ -340,6 +340,13 @@ def test_plan_from_an_experts_run(tmp_path, models):
     assert plan.routes == {"max": 0, "parity": 1} and set(plan.experts) == {"max"}
     with pytest.raises(MergeError, match="mix names chess, which are not teachers"):
         resolve_plan(load_config(None, [f"experts_dir={root}", "mix={chess: 1.0}"], schema=MergeConfig))
+    # an expert that held out other problems (another data.seed) trained on some of the merge's
+    summary = json.loads((root / "experts" / "max" / "expert.json").read_text())
+    (root / "experts" / "max" / "expert.json").write_text(json.dumps({**summary, "held_out": {"seed": 3, "share": 0.25}}))
+    assert resolve_plan(load_config(None, [f"experts_dir={root}", "data.seed=3"], schema=MergeConfig)).teacher_names
+    with pytest.raises(MergeError, match=r"expert 'max' held out the problems of data.seed 3 at share 0.25, the merge "
+                                         r"those of data.seed 0 at share 0.25: set the merge's data.seed"):
+        resolve_plan(load_config(None, [f"experts_dir={root}"], schema=MergeConfig))
 
 
 def test_lora_experts_share_one_base_and_score_as_their_merged_exports(models, tmp_path):
