@@ -19,7 +19,7 @@ HEAD_DIM_128 = ["model.fresh.hidden_size=256", "model.fresh.intermediate_size=51
 
 # prompts and multi-turn episodes (the search game) mixed: each turn continues the episode's token ids
 MIXED = ["data.train=[{builtin: max, params: {hi: 9, min_len: 3, max_len: 3}}, "
-         "{environment: search, params: {hi: 3, max_guesses: 3}}]", "rollout.episodes.max_tokens=48"]
+         "{environment: search, params: {hi: 3, max_guesses: 3}, eval_prompts: 1}]", "rollout.episodes.max_tokens=48"]
 
 
 def test_ppo_loop_runs_against_launched_sglang_servers(tmp_path):

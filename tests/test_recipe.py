@@ -26,7 +26,7 @@ TINY = [*BASE_AND_EXPERTS, "base.sft.steps=6", "expert.steps=3", "expert.logging
         "merge.opd.loss=full", "merge.baselines.validation_prompts_per_domain=4",
         "merge.baselines.task_arithmetic_scales=[0.5, 1.0]",
         "domains={addition: [{builtin: addition, params: {digits: 1}}], max: [{builtin: max, params: {hi: 9}}], "
-        "parity: [{builtin: parity, params: {max_len: 4}}]}"]
+        "parity: [{builtin: parity, params: {max_len: 5}}]}"]  # 56 problems: 14 held out
 # one device, full precision: every process of a comparison computes the same numbers
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
        "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
