@@ -77,8 +77,12 @@ def step_optimizer():
     return make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0))
 
 
-def assert_updates_close(new, ref, old, rtol=1e-3):
-    """Compare the parameter updates (new − old), which are what the step computes."""
+def assert_updates_close(new, ref, old, rtol=1e-3, atol_frac=5e-3):
+    """Compare the parameter updates (new − old), which are what the step computes: each within
+    rtol of its own size, or within atol_frac of the leaf's largest update. Adam's first update
+    is about g / (|g| + eps): where |g| nears eps, the sharded reduction's other float order moves
+    one element's update by a few 1e-3 of the largest (measured: 1 element of 3072, 1.1e-3; of
+    4096 in a merge, 4.5e-3); a wrong update is off by the order of the update itself."""
     for n, r, o in zip(jax.tree.leaves(new), jax.tree.leaves(ref), jax.tree.leaves(old)):
         du, dr = np.asarray(n) - np.asarray(o), np.asarray(r) - np.asarray(o)
-        np.testing.assert_allclose(du, dr, rtol=rtol, atol=rtol * max(np.abs(dr).max(), 1e-7))
+        np.testing.assert_allclose(du, dr, rtol=rtol, atol=atol_frac * max(np.abs(dr).max(), 1e-7))

@@ -102,8 +102,9 @@ def test_opd_merge_notebook(tmp_path, monkeypatch):
         assert row["expert"] >= row["base"], domain
         # measured here: student / expert 0.97 (addition), 1.00 (count), 0.98 (max)
         assert row["student"] >= 0.85 * row["expert"] and row["student"] > row["base"] - 0.05, (domain, row)
-    # measured here: student 0.96, weight averaging 0.53, task arithmetic 0.76 (mean over the domains)
-    assert summary["mean"]["student"] > summary["mean"]["weight_average"] + 0.1, summary["mean"]
+    # measured here on held-out problems (2026-12-06): student 0.82, weight averaging and task
+    # arithmetic 0.74 (mean over the domains; on the earlier, overlapping split 0.96, 0.53, 0.76)
+    assert summary["mean"]["student"] > summary["mean"]["weight_average"] + 0.05, summary["mean"]
     assert summary["mean"]["student"] > summary["mean"]["task_arithmetic"] + 0.05, summary["mean"]
     assert set(summary["wall_time_s"]) >= {"base", "experts", "merge", "pipeline"}
     assert (tmp_path / "opd_merge.png").exists()
