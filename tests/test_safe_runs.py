@@ -421,3 +421,14 @@ def test_two_ctrl_c_during_one_long_call_count_as_two():
         os.kill(os.getpid(), signal.SIGINT)
         hashlib.sha256(data[:1 << 20]).digest()
         assert signals.requested() == "SIGINT"
+
+
+def test_the_continue_hint_is_a_command_that_exists(monkeypatch):
+    """train/sft/merge continue with --resume; a recipe (or experts) run continues by running the
+    same command again, which takes no --resume."""
+    from opd_jax.train.runner import _resume_command
+
+    monkeypatch.setattr(sys, "argv", ["opd-jax", "train", "configs/quickstart.yaml", "steps=9"])
+    assert _resume_command() == "opd-jax train --resume configs/quickstart.yaml steps=9"
+    monkeypatch.setattr(sys, "argv", ["opd-jax", "recipe", "configs/recipe.yaml", "run_dir=runs/r"])
+    assert _resume_command() == "opd-jax recipe configs/recipe.yaml run_dir=runs/r"

@@ -245,8 +245,14 @@ def _changed_since(config: Any, directory: RunDirectory) -> str:
     return f"; the config changed {shown} since it was saved, which no resume can honour, even with --force"
 
 
+# commands that continue what is left when run again, and take no --resume
+_RERUN_CONTINUES = ("recipe", "experts")
+
+
 def _resume_command() -> str:
     argv = [a for a in sys.argv[1:] if a != "--resume"]
+    if argv[:1] and argv[0] in _RERUN_CONTINUES:  # a recipe's merge phase: its command runs again
+        return "opd-jax " + " ".join(shlex.quote(a) for a in argv)
     return "opd-jax " + " ".join(shlex.quote(a) for a in argv[:1] + ["--resume"] + argv[1:])
 
 
