@@ -13,7 +13,7 @@ import grain
 import numpy as np
 
 from opd_jax.data.domains import Example
-from opd_jax.data.sources import DataError, EnvironmentSource, ProceduralSource, read_jsonl
+from opd_jax.data.sources import DataError, EnvironmentSource, ProceduralSource, read_jsonl, space_text
 from opd_jax.data.splits import Partition, distinct, enumerate_space
 
 if TYPE_CHECKING:  # the config schema validates domains through opd_jax.data, so no import cycle here
@@ -95,9 +95,8 @@ def _held_out(spec: SourceSpec, index: int, data: DataSection) -> list[Example]:
     found = distinct(lambda j: stream[j], stream.key, count, patience=_PATIENCE)
     if len(found) < count:
         name = spec.builtin or f"environment {spec.environment}"
-        space = "of unknown size" if stream.space is None else f"of {stream.space:,} problems"
         raise DataError(f"data.train[{index}] ({name} {spec.params or ''}): {count} held-out problems asked for, but its "
-                        f"problem space {space} holds only {len(found)} in its held-out share "
+                        f"problem space {space_text(stream.space)} holds only {len(found)} in its held-out share "
                         f"({data.held_out_share:g}); ask for at most {len(found)} "
                         f"(data.train[{index}].eval_prompts or data.eval_prompts_per_domain), raise data.held_out_share "
                         f"(at most 0.5), or widen the domain's params")

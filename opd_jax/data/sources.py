@@ -101,13 +101,14 @@ def _redrawn(partition: Partition, split: str, attempt: Callable[[int], T], key:
              what: str, space: int | None) -> T:
     item = partition.draw(split, attempt, key)
     if item is None:
-        raise DataError(f"{what}: its problem space ({_size(space)}) holds no {'held-out' if split == 'eval' else 'training'} "
+        raise DataError(f"{what}: its problem space {space_text(space)} holds no {'held-out' if split == 'eval' else 'training'} "
                         f"problem at data.held_out_share {partition.share}; give it a larger problem space")
     return item
 
 
-def _size(space: int | None) -> str:
-    return "of unknown size" if space is None else f"{space:,} problems"
+def space_text(space: int | None) -> str:
+    """'of N problems' (or 'of unknown size'), as the split errors name a problem space."""
+    return "of unknown size" if space is None else f"of {space:,} problems"
 
 
 class ProceduralSource(Sequence):
