@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+import threading
 
 import numpy as np
 
@@ -41,6 +42,7 @@ _PROBLEMS = [
     ("A shelf has {a} rows of {b} books; {c} rows of {d} books are taken away. How many books remain?",
      ["{a}*{b}", "{c}*{d}", "r0-r1"]),
 ]
+_PARSE_LOCK = threading.Lock()
 _NAMES = ["Ann", "Ben", "Chen", "Dana", "Eli", "Fay", "Gus", "Hana"]
 
 
@@ -58,7 +60,12 @@ def calculate(expression: str) -> int:
     if len(expression) > 64:
         raise ValueError(expression)
     try:
-        return value(ast.parse(expression.strip(), mode="eval").body)
+        # The data pipeline builds episodes on several threads, and CPython 3.11's AST constructor
+        # keeps its recursion depth in state shared by all of them: two parses at once can raise
+        # "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905).
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
+        return value(tree.body)
     except SyntaxError:
         raise ValueError(expression) from None
 
