@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from xla_env import xla_flags  # this script's folder is on sys.path
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from save_hooks import during_save  # noqa: E402  (this script's folder is on sys.path)

@@ -9,7 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from xla_env import xla_flags  # this script's folder is on sys.path
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -10,7 +10,9 @@ environment its parent gives it (JOBSET_NAME, JOB_COMPLETION_INDEX, ...), not fr
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from xla_env import xla_flags  # this script's folder is on sys.path
+
+os.environ["XLA_FLAGS"] = xla_flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import functools  # noqa: E402

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xla_env import xla_flags
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -15,7 +17,7 @@ def test_the_device_benchmark_runs_at_tiny_size(tmp_path):
     out = tmp_path / "device.json"
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "device" / "run.sh"), "--size", "tiny", "--out", str(out)],
                             capture_output=True, text=True, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin",
-                                                                 "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+                                                                 "XLA_FLAGS": xla_flags(1),
                                                                  "JAX_PLATFORMS": "cpu",
                                                                  **{k: v for k, v in os.environ.items()
                                                                     if k.startswith("JAX_") and "CACHE" in k}},

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xla_env import xla_flags
 
 from opd_jax.core import PPOConfig, advantages_and_returns, policy_loss
 from opd_jax.envs import EpisodeLimits, StepResult, Trajectory, Turn, TurnBatcher, TurnCodec, run_episode
@@ -433,7 +434,7 @@ def test_ppo_with_the_critic_raises_the_search_games_success_across_turns(tmp_pa
     from opd_jax.train import read_metrics
 
     run = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     result = subprocess.run([sys.executable, "-m", "opd_jax.cli", "train", str(AGENT), *SHORT_AGENT,
                              f"logging.run_dir={run}"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

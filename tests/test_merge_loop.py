@@ -21,6 +21,7 @@ import tokenizers.models
 from flax import nnx
 from ppo_setup import assert_updates_close
 from typer.testing import CliRunner
+from xla_env import xla_flags
 
 from opd_jax.cli import app
 from opd_jax.config import MergeConfig, load_config, save_config
@@ -93,7 +94,7 @@ def sharded_run(models, tmp_path_factory):
 
 def test_sharded_merge_equals_the_unsharded_merge(models, sharded_run, tmp_path):
     single = tmp_path / "single"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
            "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     done = subprocess.run([sys.executable, "-m", "opd_jax.cli", "merge", os.devnull,
                            *overrides(models, single, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1")],

@@ -5,18 +5,20 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from xla_env import xla_flags
 
 ROOT = Path(__file__).parents[1]
 
 
-def run_notebook(name, out, monkeypatch, devices=1):
+def run_notebook(name, out, monkeypatch, devices=1, many_steps=False):
     """One device by default, as a user's CPU has: the steps' sharding is tested elsewhere, and
-    eight simulated devices on two cores double a notebook's time."""
+    eight simulated devices on two cores double a notebook's time. XLA compiles at -O0 unless the
+    notebook runs `many_steps` (tests/xla_env.py)."""
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_SCALE", "small")
     monkeypatch.setenv("OPD_JAX_NOTEBOOK_OUT", str(out))
     monkeypatch.setenv("OPD_JAX_QUICKSTART", str(ROOT / "configs" / "quickstart.yaml"))
     # the kernel is a fresh process: give it the same simulated devices as the suite
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(devices, many_steps))
     notebook = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     return json.loads((out / "summary.json").read_text())
@@ -95,7 +97,7 @@ def test_ppo_vs_grpo_notebook(tmp_path, monkeypatch):
 def test_opd_merge_notebook(tmp_path, monkeypatch):
     """Three domains at test size: base, experts, merge. The merged student comes close to every
     expert on the expert's own domain and beats averaging the experts' weights."""
-    summary = run_notebook("opd_merge", tmp_path, monkeypatch)
+    summary = run_notebook("opd_merge", tmp_path, monkeypatch, many_steps=True)
     table = summary["domains"]
     assert set(table) == {"addition", "count", "max"}
     for domain, row in table.items():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from merge_settings import BASE_AND_EXPERTS
+from xla_env import xla_flags
 
 from opd_jax.config import RecipeConfig, load_config
 from opd_jax.train import checkpoint_steps
@@ -28,7 +29,7 @@ TINY = [*BASE_AND_EXPERTS, "base.sft.steps=6", "expert.steps=3", "expert.logging
         "domains={addition: [{builtin: addition, params: {digits: 1}}], max: [{builtin: max, params: {hi: 9}}], "
         "parity: [{builtin: parity, params: {max_len: 5}}]}"]  # 56 problems: 14 held out
 # one device, full precision: every process of a comparison computes the same numbers
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+ENV = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
        "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from train_loop_settings import TINY
+from xla_env import xla_flags
 
 from opd_jax.config import ConfigError, dump_config, load_config
 from opd_jax.config.sweep import CollapseSection
@@ -219,7 +220,7 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     third runs, and sweep.json equals that of an uninterrupted sweep of the same file."""
     path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=3,
                        overrides=dict(item.split("=", 1) for item in SMALL), metrics=["policy/entropy"])
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # every run: one device
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # every run: one device
     env = dict(os.environ)
     whole = run_sweep(Sweep(path, tmp_path / "whole"), echo=lambda _: None)
     part = tmp_path / "part"
@@ -290,7 +291,7 @@ def test_a_run_from_the_shared_warm_start_trains_as_one_that_warms_itself(tmp_pa
     run made in-process with its own warm start."""
     from opd_jax.train import read_metrics
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))
     small = [*(s for s in SMALL if not s.startswith("sft.steps")), "sft.steps=3", "logging.eval_every=1"]
     path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=[0, 1], warm_start="shared",
                        overrides=dict(item.split("=", 1) for item in small))
