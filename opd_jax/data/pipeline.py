@@ -53,10 +53,17 @@ def partition(spec: SourceSpec, seed: int, share: float) -> Partition:
                       json.dumps(spec.params, sort_keys=True), seed, share)
 
 
-def _source(spec: SourceSpec, data: DataSection, seed: int) -> grain.MapDataset:
+def training_stream(data: DataSection, index: int, seed_offset: int = 0) -> ProceduralSource | EnvironmentSource:
+    """data.train[index]'s training stream (a built-in domain or an environment) as train_prompts
+    draws it: indexable, endless, on the training side of the run's partition."""
+    return _stream(data.train[index], data, data.seed + seed_offset + index, "train")
+
+
+def _source(data: DataSection, index: int, seed_offset: int) -> grain.MapDataset:
+    spec = data.train[index]
     if spec.jsonl is None:
-        return grain.MapDataset.source(_stream(spec, data, seed, "train"))
-    return grain.MapDataset.source(read_jsonl(spec.jsonl, spec.verifier)).shuffle(seed=seed)
+        return grain.MapDataset.source(training_stream(data, index, seed_offset))
+    return grain.MapDataset.source(read_jsonl(spec.jsonl, spec.verifier)).shuffle(seed=data.seed + seed_offset + index)
 
 
 def train_prompts(data: DataSection, *, process_index: int = 0, process_count: int = 1,
@@ -66,7 +73,7 @@ def train_prompts(data: DataSection, *, process_index: int = 0, process_count: i
     position. `seed_offset` moves the streams (a warm start's own draw) but not the held-out region."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-    parts = [_source(spec, data, data.seed + seed_offset + i).repeat() for i, spec in enumerate(data.train)]
+    parts = [_source(data, i, seed_offset).repeat() for i in range(len(data.train))]
     mixed = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [s.weight for s in data.train])
     return mixed[process_index::process_count].to_iter_dataset()
 

@@ -19,7 +19,8 @@ from opd_jax.core import PPOConfig
 from opd_jax.core.registry import AdvantageInputs
 from opd_jax.data import eval_prompts, read_jsonl
 from opd_jax.data.domains import Example
-from opd_jax.data.sources import DataError, ProceduralSource, problem_key
+from opd_jax.data.pipeline import training_stream
+from opd_jax.data.sources import DataError, problem_key
 from opd_jax.models import Tokenizer, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelConfig, ModelFormatError
@@ -164,7 +165,7 @@ def _check_builtin_lengths(data: DataSection, tokenizer: Tokenizer, context: int
     for i, spec in enumerate(data.train):
         if spec.builtin is None:
             continue
-        drawn = ProceduralSource(spec.builtin, seed=data.seed + i, split="train", params=spec.params)
+        drawn = training_stream(data, i)
         for example in [*held_out.get(spec.builtin, []), *(drawn[j] for j in range(_BUILTIN_DRAWS))]:
             length = len(encode_prompt(example, tokenizer, data.chat_template))
             if length + max_new_tokens > context:
