@@ -53,17 +53,23 @@ def partition(spec: SourceSpec, seed: int, share: float) -> Partition:
                       json.dumps(spec.params, sort_keys=True), seed, share)
 
 
+def _train_seed(data: DataSection, index: int, seed_offset: int) -> int:
+    """The seed of data.train[index]'s training draw (its stream, or a JSONL file's shuffle)."""
+    return data.seed + seed_offset + index
+
+
 def training_stream(data: DataSection, index: int, seed_offset: int = 0) -> ProceduralSource | EnvironmentSource:
     """data.train[index]'s training stream (a built-in domain or an environment) as train_prompts
     draws it: indexable, endless, on the training side of the run's partition."""
-    return _stream(data.train[index], data, data.seed + seed_offset + index, "train")
+    return _stream(data.train[index], data, _train_seed(data, index, seed_offset), "train")
 
 
 def _source(data: DataSection, index: int, seed_offset: int) -> grain.MapDataset:
     spec = data.train[index]
     if spec.jsonl is None:
         return grain.MapDataset.source(training_stream(data, index, seed_offset))
-    return grain.MapDataset.source(read_jsonl(spec.jsonl, spec.verifier)).shuffle(seed=data.seed + seed_offset + index)
+    rows = grain.MapDataset.source(read_jsonl(spec.jsonl, spec.verifier))
+    return rows.shuffle(seed=_train_seed(data, index, seed_offset))
 
 
 def train_prompts(data: DataSection, *, process_index: int = 0, process_count: int = 1,

@@ -17,9 +17,8 @@ from opd_jax.config import ConfigError, DataSection, ModelSection
 from opd_jax.config.schema import RolloutSection
 from opd_jax.core import PPOConfig
 from opd_jax.core.registry import AdvantageInputs
-from opd_jax.data import eval_prompts, read_jsonl
+from opd_jax.data import eval_prompts, read_jsonl, training_stream
 from opd_jax.data.domains import Example
-from opd_jax.data.pipeline import training_stream
 from opd_jax.data.sources import DataError, problem_key
 from opd_jax.models import Tokenizer, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
