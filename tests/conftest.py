@@ -5,7 +5,7 @@ shared model fixtures."""
 import os
 from pathlib import Path
 
-from xla_env import xla_flags  # noqa: E402  (tests/ is on sys.path)
+from xla_env import xla_flags  # tests/ is on sys.path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
