@@ -33,10 +33,21 @@ FAMILY_CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4,
         topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
         num_nextn_predict_layers=0, tie_word_embeddings=False),
+    # GLM-5: MLA (low-rank query, compressed key/value, a shared rotary key), DSA keeping 8 keys per
+    # query (below the tests' longer sequences, so the sparsity matters), the indexer run in layers
+    # 0 and 2 and reused in 1 and 3, GLM-4.5's router and shared expert, the second layer dense
+    # (mlp_layer_types: a pattern first_k_dense_replace cannot write)
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(
+        **{**TINY, "num_hidden_layers": 4, "num_key_value_heads": 4}, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, index_topk=8, index_head_dim=32, index_n_heads=16,
+        indexer_types=["full", "shared", "full", "shared"], n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+        mlp_layer_types=["sparse", "dense", "sparse", "sparse"], norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 MODEL_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                  "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-                 "glm4_moe": transformers.Glm4MoeForCausalLM}
+                 "glm4_moe": transformers.Glm4MoeForCausalLM, "glm_moe_dsa": transformers.GlmMoeDsaForCausalLM}
 
 
 def make_hf_model(kind: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:

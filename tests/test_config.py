@@ -139,17 +139,28 @@ def test_the_fresh_model_sections_name_only_fields_of_the_model_dataclasses():
     import dataclasses
 
     from opd_jax.config import FreshModel
-    from opd_jax.config.schema import FreshMoE
+    from opd_jax.config.schema import FreshDSA, FreshMLA, FreshMoE
     from opd_jax.models import ModelConfig
+    from opd_jax.models.mla import DSAConfig, MLAConfig
     from opd_jax.models.moe import MoEConfig
     from opd_jax.train.build import fresh_model_config
 
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(FreshModel.model_fields) - {"seed"} <= model_fields
     assert set(FreshMoE.model_fields) <= {f.name for f in dataclasses.fields(MoEConfig)}
+    assert set(FreshMLA.model_fields) == {f.name for f in dataclasses.fields(MLAConfig)}
+    assert set(FreshDSA.model_fields) == {f.name for f in dataclasses.fields(DSAConfig)}
     fresh = FreshModel(family="glm4_moe", num_layers=2, moe=FreshMoE(num_experts=4, n_group=2, dense_layers=[0]))
     built = fresh_model_config(fresh)
     for name in set(FreshModel.model_fields) - {"seed", "moe"}:
         assert getattr(built, name) == getattr(fresh, name), name
     assert built.moe.router == "sigmoid" and built.moe.score_correction_bias and built.moe.dense_layers == (0,)
     assert built.moe.num_experts == 4 and built.moe.n_group == 2
+    # GLM-5: MLA sets the heads' key/value count and rotary width; a run's config.yaml says what the model has
+    glm5 = FreshModel(family="glm_moe_dsa", num_layers=2, num_heads=4, moe=FreshMoE(num_experts=4),
+                      mla=FreshMLA(qk_rope_head_dim=8), dsa=FreshDSA(indexer_types=["full", "shared"]))
+    assert (glm5.head_dim, glm5.num_kv_heads) == (8, 4)
+    built = fresh_model_config(FreshModel(**glm5.model_dump()))  # as a saved config.yaml reloads
+    assert built.mla.qk_rope_head_dim == built.head_dim == 8 and built.dsa.indexer_types == ("full", "shared")
+    with pytest.raises(ValueError, match="model.fresh.head_dim is 8 for glm_moe_dsa"):
+        FreshModel(**{**glm5.model_dump(), "head_dim": 32})

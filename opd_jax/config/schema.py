@@ -10,7 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from opd_jax.core import OptimizerConfig, PPOConfig
 from opd_jax.data.domains import get_domain
-from opd_jax.models.config import Family
+from opd_jax.models.config import MLA_FAMILIES, MOE_FAMILIES, Family
 from opd_jax.models.lora import ALL_LINEAR, MODULES, LoraConfig
 from opd_jax.parallel import DistributedConfig, MeshConfig
 from opd_jax.rewards.verifiers import VerifierName
@@ -55,12 +55,41 @@ class FreshMoE(Section):
     """glm4_moe: eligible groups per token."""
 
 
+class FreshMLA(Section):
+    """glm_moe_dsa: multi-head latent attention (docs/models.md): a low-rank query and one
+    compressed latent per token from which every head's key and value are made."""
+
+    q_lora_rank: int = Field(64, gt=0)
+    """Rank of the query's projection (q_a_proj → q_b_proj)."""
+    kv_lora_rank: int = Field(32, gt=0)
+    """Width of the compressed key/value latent (what the cache holds per token, with the rotary key)."""
+    qk_nope_head_dim: int = Field(16, gt=0)
+    """Per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = Field(16, gt=0)
+    """Per-head query width with rotary embedding, and the one rotary key's width (shared by every head)."""
+    v_head_dim: int = Field(32, gt=0)
+    """Per-head value width."""
+
+
+class FreshDSA(Section):
+    """glm_moe_dsa: DeepSeek sparse attention's lightning indexer (docs/models.md)."""
+
+    index_topk: int = Field(16, gt=0)
+    """Keys each query attends to, chosen by the indexer (all of them when the sequence is shorter)."""
+    index_head_dim: int = Field(32, gt=0)
+    """Width of the indexer's heads."""
+    index_n_heads: int = Field(4, gt=0)
+    """The indexer's heads."""
+    indexer_types: list[Literal["full", "shared"]] | None = None
+    """Per layer: full (runs its indexer) or shared (reuses the previous full layer's top-k). Unset: full in every layer."""
+
+
 class FreshModel(Section):
     """A model initialised from scratch (for the synthetic domains), with the built-in
     character tokenizer; vocab_size comes from that tokenizer."""
 
     family: Family = "llama"
-    """Architecture family: llama, qwen2 (q/k/v biases), qwen3 (q/k norm); MoE: qwen3_moe, glm4_moe (set moe)."""
+    """Architecture family: llama, qwen2 (q/k/v biases), qwen3 (q/k norm); MoE: qwen3_moe, glm4_moe (set moe), glm_moe_dsa (GLM-5: moe, mla, dsa)."""  # noqa: E501
     hidden_size: int = Field(128, gt=0)
     """Width of the residual stream."""
     intermediate_size: int = Field(384, gt=0)
@@ -72,20 +101,35 @@ class FreshModel(Section):
     num_kv_heads: int = Field(2, gt=0)
     """Key/value heads (grouped-query attention when fewer than num_heads)."""
     head_dim: int = Field(32, gt=0)
-    """Width of each attention head."""
+    """Width of each attention head (glm_moe_dsa: its rotary part, mla.qk_rope_head_dim, which sets it)."""
     max_position_embeddings: int = Field(512, gt=0)
     """Longest sequence the model is built for (RoPE positions)."""
     partial_rotary_factor: float = Field(1.0, gt=0, le=1)
     """Fraction of head_dim the rotary embedding turns (GLM-4.5: 0.5)."""
     moe: FreshMoE | None = None
     """The experts (MoE families only)."""
+    mla: FreshMLA | None = None
+    """Multi-head latent attention (glm_moe_dsa only)."""
+    dsa: FreshDSA | None = None
+    """DeepSeek sparse attention's indexer (glm_moe_dsa only)."""
     seed: int = 0
     """Seed of the random initialisation."""
 
     @model_validator(mode="after")
     def _experts_for_moe_families(self):
-        if (self.moe is not None) != self.family.endswith("_moe"):
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
             raise ValueError(f"model.fresh.moe must be set exactly for the MoE families (family {self.family})")
+        mla = self.family in MLA_FAMILIES
+        if (self.mla is not None) != mla or (self.dsa is not None) != mla:
+            raise ValueError(f"model.fresh.mla and model.fresh.dsa must be set exactly for {', '.join(MLA_FAMILIES)} "
+                             f"(family {self.family})")
+        if mla:  # MLA gives every head its own key and value, and RoPE turns only the rotary part
+            for name, value in (("head_dim", self.mla.qk_rope_head_dim), ("num_kv_heads", self.num_heads)):
+                if name in self.model_fields_set and getattr(self, name) != value:
+                    raise ValueError(f"model.fresh.{name} is {value} for {self.family} "
+                                     f"({'mla.qk_rope_head_dim' if name == 'head_dim' else 'num_heads'}); "
+                                     f"leave it out")
+                self.__dict__[name] = value  # what the model has, so a run's config.yaml says it
         return self
 
 

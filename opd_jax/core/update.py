@@ -101,6 +101,13 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _indexer(path: tuple) -> bool:
+    # DSA's indexer (GLM-5, opd_jax.models.mla) picks keys: a discrete choice no loss gradient
+    # reaches. An optimizer would only decay it, so it stays as loaded (DeepSeek-V3.2 trains it
+    # apart, by a KL to dense attention).
+    return isinstance(path[-1], str) and path[-1].startswith("index_")
+
+
 def _trains(path: tuple, x: Any) -> bool:
     # with adapters on, a critic's value head trains beside them (PEFT's modules_to_save)
     return isinstance(x, nnx.LoRAParam) or path[-1] in ("value_head", "value_bias")
@@ -108,11 +115,17 @@ def _trains(path: tuple, x: Any) -> bool:
 
 def split_trainable(params: Any) -> tuple[Any, Any]:
     """(what a step trains, the frozen rest): a model with LoRA adapters trains only its adapters
-    (and a critic its value head), its base frozen; any other model trains everything (rest None).
-    Gradients, optimizer state and updates cover the first part only."""
-    adapted = isinstance(params, nnx.State) and any(
-        isinstance(x, nnx.LoRAParam) for x in jax.tree.leaves(params, is_leaf=_is_variable))
-    return nnx.split_state(params, _trains, ...) if adapted else (params, None)
+    (and a critic its value head), its base frozen; any other model trains everything but DSA's
+    indexer, which no gradient reaches (rest None where nothing is frozen). Gradients, optimizer
+    state and updates cover the first part only."""
+    if not isinstance(params, nnx.State):
+        return params, None
+    paths = nnx.to_flat_state(params)
+    if any(isinstance(x, nnx.LoRAParam) for _, x in paths):
+        return nnx.split_state(params, _trains, ...)
+    if any(_indexer(path) for path, _ in paths):
+        return nnx.split_state(params, lambda path, x: not _indexer(path), ...)
+    return params, None
 
 
 def trainable(params: Any) -> Any:

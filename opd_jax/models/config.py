@@ -1,9 +1,10 @@
 """The decoder's architecture description, read from and written to Hugging Face `config.json`.
 
 One frozen dataclass covers the dense Llama, Qwen2 and Qwen3 families and the mixture-of-experts
-Qwen3-MoE and GLM-4.5 (`Glm4Moe`) families; the family decides defaults (Qwen2's q/k/v biases,
-Qwen3's per-head q/k RMSNorm, GLM-4.5's partial rotary embedding) and `moe` describes the experts.
-Every error names the file and the field.
+Qwen3-MoE, GLM-4.5 (`Glm4Moe`) and GLM-5 (`GlmMoeDsa`) families; the family decides defaults
+(Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, GLM-4.5's partial rotary embedding), `moe`
+describes the experts, and GLM-5's `mla` and `dsa` its multi-head latent attention and sparse
+attention's indexer (`opd_jax.models.mla`). Every error names the file and the field.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from typing import Any, Literal
 
 from opd_jax.errors import OpdJaxError
 from opd_jax.models.lora import LoraConfig
+from opd_jax.models.mla import DSAConfig, MLAConfig
 from opd_jax.models.moe import MoEConfig
 
 # the families, once: each with its Hugging Face architecture name (a new family starts here)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                  "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 FAMILIES: tuple[str, ...] = tuple(_ARCHITECTURES)
 Family = Literal[FAMILIES]  # type: ignore[valid-type]
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe")
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe", "glm_moe_dsa")
+MLA_FAMILIES: tuple[str, ...] = ("glm_moe_dsa",)  # multi-head latent attention with DSA's indexer
 _FAMILY_OF_ARCHITECTURE = {v: k for k, v in _ARCHITECTURES.items()}
 
 
@@ -33,6 +37,8 @@ def family_defaults(family: str, attention_bias: bool = False, qk_norm: bool = F
     projection has no bias) and `use_qk_norm` for the q/k RMSNorm."""
     if family == "glm4_moe":
         return {"qkv_bias": attention_bias, "o_bias": False, "qk_norm": qk_norm}
+    if family in MLA_FAMILIES:  # its projections are MLA's own (opd_jax.models.mla)
+        return {"qkv_bias": False, "o_bias": False, "qk_norm": False}
     return {"qkv_bias": True if family == "qwen2" else attention_bias,
             "o_bias": False if family == "qwen2" else attention_bias,
             "qk_norm": family in ("qwen3", "qwen3_moe")}
@@ -75,6 +81,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0  # the fraction of head_dim the rotary embedding turns (GLM-4.5: 0.5)
     moe: MoEConfig | None = None  # the experts of a MoE family (None: a dense model)
+    mla: MLAConfig | None = None  # GLM-5: multi-head latent attention (head_dim is then its rotary part)
+    dsa: DSAConfig | None = None  # GLM-5: DeepSeek sparse attention's indexer and its top-k
     lora: LoraConfig | None = None  # low-rank adapters on the projections (None: none); not part of config.json
 
     def __post_init__(self) -> None:
@@ -97,6 +105,18 @@ class ModelConfig:
             raise ModelFormatError(f"family {self.family!r} {'needs' if self.moe is None else 'takes no'} a MoE config")
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.dense_layers):
             raise ModelFormatError(f"dense layers {list(self.moe.dense_layers)} are not all in [0, {self.num_layers})")
+        mla = self.family in MLA_FAMILIES
+        if (self.mla is not None) != mla or (self.dsa is not None) != mla:
+            raise ModelFormatError(f"family {self.family!r} {'needs' if mla else 'takes no'} MLA and DSA configs")
+        if self.mla is not None:
+            if self.head_dim != self.mla.qk_rope_head_dim or self.num_kv_heads != self.num_heads:
+                raise ModelFormatError(f"an MLA model's head_dim is its rotary part (qk_rope_head_dim "
+                                       f"{self.mla.qk_rope_head_dim}, got {self.head_dim}) and every head has its own "
+                                       f"key and value (num_kv_heads = num_heads = {self.num_heads}, got "
+                                       f"{self.num_kv_heads})")
+            if len(self.dsa.indexer_types) != self.num_layers:
+                raise ModelFormatError(f"indexer_types has {len(self.dsa.indexer_types)} entries for "
+                                       f"{self.num_layers} layers")
 
     @property
     def rotary_dim(self) -> int:
@@ -113,6 +133,24 @@ class ModelConfig:
     def dense_layers(self) -> tuple[int, ...]:
         """The layers with a dense MLP (every layer of a dense model)."""
         return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """The layers that run DSA's indexer (the others reuse the previous one's top-k)."""
+        return () if self.dsa is None else tuple(i for i, t in enumerate(self.dsa.indexer_types) if t == "full")
+
+    @property
+    def cache_entries(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """What a KV cache holds per token and layer in its k and v, as (heads, width): GQA's keys and
+        values; MLA's [latent ‖ rotary key] (one vector) and DSA's indexer key."""
+        if self.mla is None:
+            return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+        return (1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim), (1, self.dsa.index_head_dim)
+
+    @property
+    def v_head_dim(self) -> int:
+        """The width of one head's value (and of its attention output)."""
+        return self.head_dim if self.mla is None else self.mla.v_head_dim
 
     @property
     def architecture(self) -> str:
@@ -144,7 +182,10 @@ class ModelConfig:
             raise ModelFormatError(f"{source}: use_sliding_window=true is not supported")
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
-        head_dim = hf.get("head_dim")
+        mla, dsa = _parse_mla(hf, family, need("num_hidden_layers"), source)
+        if mla is not None and hf.get("attention_bias"):
+            raise ModelFormatError(f"{source}: attention_bias=true is not supported for {family}")
+        head_dim = hf.get("head_dim") if mla is None else mla.qk_rope_head_dim
         if head_dim is None and isinstance(hidden, int) and isinstance(num_heads, int) and num_heads > 0:
             head_dim = hidden // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
@@ -163,7 +204,7 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if mla is not None else hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
@@ -176,6 +217,8 @@ class ModelConfig:
             partial_rotary_factor=float(hf.get("partial_rotary_factor", rope_parameters.get("partial_rotary_factor",
                                                                                          1.0))),
             moe=moe,
+            mla=mla,
+            dsa=dsa,
         )
 
     @classmethod
@@ -222,6 +265,8 @@ class ModelConfig:
             hf["partial_rotary_factor"] = self.partial_rotary_factor
         if self.moe is not None:
             hf.update(_moe_to_hf(self))
+        if self.mla is not None:
+            hf.update(_mla_to_hf(self))
         if self.rope_scaling is not None:
             s = self.rope_scaling
             hf["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor}
@@ -239,6 +284,9 @@ _MOE_KEYS = {
                  "norm_topk_prob", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group",
                  "first_k_dense_replace", "num_nextn_predict_layers", "router_aux_loss_coef", "output_router_logits"},
 }
+# GLM-5: GLM-4.5's experts, its MLP kinds listed per layer, and DSA's indexer keys
+_MOE_KEYS["glm_moe_dsa"] = _MOE_KEYS["glm4_moe"] | {"mlp_layer_types", "index_topk", "index_topk_freq",
+                                                   "index_skip_topk_offset", "index_topk_pattern"}
 _MOE_WORDS = ("expert", "moe", "topk", "router", "routed", "scoring", "n_group", "dense_replace", "sparse")
 
 
@@ -265,13 +313,21 @@ def _parse_moe(hf: dict[str, Any], family: str, num_layers: int, source: str) ->
             return MoEConfig(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
                              intermediate_size=need("moe_intermediate_size"), router="softmax",
                              norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layers=dense)
+        first_dense = min(int(hf.get("first_k_dense_replace", 0)), num_layers)
+        dense = tuple(range(first_dense))
+        if family == "glm_moe_dsa" and hf.get("mlp_layer_types") is not None:
+            kinds = list(hf["mlp_layer_types"])
+            if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+                raise ModelFormatError(f"{source}: mlp_layer_types must name 'dense' or 'sparse' for each of the "
+                                       f"{num_layers} layers, got {kinds}")
+            dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
         return MoEConfig(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
                          intermediate_size=need("moe_intermediate_size"), router="sigmoid",
                          norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                          routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                          n_group=int(hf.get("n_group", 1)), topk_group=int(hf.get("topk_group", 1)),
                          score_correction_bias=True, num_shared_experts=int(hf.get("n_shared_experts", 0)),
-                         dense_layers=tuple(range(min(int(hf.get("first_k_dense_replace", 0)), num_layers))))
+                         dense_layers=dense)
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{source}: {e}") from None
 
@@ -284,12 +340,62 @@ def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
         return {**shared, "num_experts": m.num_experts, "decoder_sparse_step": 1,
                 "mlp_only_layers": list(m.dense_layers)}
     first = len(m.dense_layers)
+    glm5 = {"mlp_layer_types": ["dense" if i in m.dense_layers else "sparse" for i in range(config.num_layers)]}
+    if config.family == "glm_moe_dsa":  # its MLP kinds are listed per layer: any pattern
+        return {**shared, "n_routed_experts": m.num_experts, "n_shared_experts": m.num_shared_experts,
+                "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.n_group, "topk_group": m.topk_group,
+                "first_k_dense_replace": first if m.dense_layers == tuple(range(first)) else 0, **glm5}
     if m.dense_layers != tuple(range(first)):
         raise ModelFormatError(f"glm4_moe keeps its dense layers first; dense layers {list(m.dense_layers)} "
                                f"cannot be written as first_k_dense_replace")
     return {**shared, "n_routed_experts": m.num_experts, "n_shared_experts": m.num_shared_experts,
             "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.n_group, "topk_group": m.topk_group,
             "first_k_dense_replace": first, "use_qk_norm": config.qk_norm, "num_nextn_predict_layers": 0}
+
+
+def _parse_mla(hf: dict[str, Any], family: str, num_layers: Any, source: str
+               ) -> tuple[MLAConfig | None, DSAConfig | None]:
+    """GLM-5's latent attention and indexer from its config.json (None, None for other families)."""
+    if family not in MLA_FAMILIES:
+        return None, None
+
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise ModelFormatError(f"{source}: required field {key!r} is missing")
+        return hf[key]
+
+    if hf.get("q_lora_rank") is None:
+        raise ModelFormatError(f"{source}: q_lora_rank is null: {family} needs a low-rank query (q_a_proj, q_b_proj)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ModelFormatError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported for "
+                               f"{family}; supported: default")
+    types = hf.get("indexer_types")
+    if types is None:  # transformers' schedule: every `freq`-th layer from `offset` runs the indexer
+        pattern = hf.get("index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+        else:
+            freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(int(num_layers))]
+    try:
+        mla = MLAConfig(q_lora_rank=need("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"),
+                        qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+                        v_head_dim=need("v_head_dim"))
+        dsa = DSAConfig(index_topk=need("index_topk"), index_head_dim=need("index_head_dim"),
+                        index_n_heads=need("index_n_heads"), indexer_types=tuple(types))
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{source}: {e}") from None
+    return mla, dsa
+
+
+def _mla_to_hf(config: ModelConfig) -> dict[str, Any]:
+    m, d = config.mla, config.dsa
+    return {"q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "index_topk": d.index_topk,
+            "index_head_dim": d.index_head_dim, "index_n_heads": d.index_n_heads,
+            "indexer_types": list(d.indexer_types), "attention_bias": False, "mlp_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
 
 
 def _parse_rope_scaling(raw: dict[str, Any] | None, source: str) -> RopeScaling | None:

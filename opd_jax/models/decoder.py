@@ -1,5 +1,6 @@
 """The decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families and the MoE
-Qwen3-MoE and GLM-4.5 families, in Flax NNX.
+Qwen3-MoE, GLM-4.5 and GLM-5 families, in Flax NNX (GLM-5's latent attention and sparse
+attention's indexer: `opd_jax.models.mla`).
 
 Layer weights are stacked along a leading "layers" axis and the forward pass is one `lax.scan`
 over them, so a 30-layer model compiles as fast as a 1-layer one. Every parameter carries
@@ -24,6 +25,7 @@ from flax import nnx
 
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
+from opd_jax.models.mla import LATENT_NORM_EPS, index_scores, indexer_topk, layer_norm, mla_attention, rope_interleaved
 from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -34,7 +36,9 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (pa
 class KVCache:
     """Keys/values per layer and slot, which slots hold real tokens, and how many are filled.
 
-    k, v: [layers, B, S, kv_heads, head_dim]; valid: [B, S] bool; length: the number of slots
+    k, v: [layers, B, S, kv_heads, head_dim] (an MLA model's k: [layers, B, S, 1, kv_lora_rank +
+    qk_rope_head_dim], each token's latent and rotary key; its v: [layers, B, S, 1, index_head_dim],
+    the indexer's key, zero in the layers that reuse another's top-k); valid: [B, S] bool; length: the number of slots
     written so far, an int32 scalar (the same for every row: prompts are left-padded) or [B], one
     per row (continuous batching: each row is a request of its own, admitted at its own time). A
     float8 cache
@@ -51,10 +55,10 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> KVCache:
-        shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+        shapes = [(config.num_layers, batch, slots, *entry) for entry in config.cache_entries]
         # two buffers, not one twice: a donated cache must not alias its k and v scales
-        scales = tuple(jnp.ones(shape[:-1], jnp.float32) for _ in range(2)) if _is_fp8(dtype) else (None, None)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), valid=jnp.zeros((batch, slots), bool),
+        scales = tuple(jnp.ones(s[:-1], jnp.float32) for s in shapes) if _is_fp8(dtype) else (None, None)
+        return cls(k=jnp.zeros(shapes[0], dtype), v=jnp.zeros(shapes[1], dtype), valid=jnp.zeros((batch, slots), bool),
                    length=jnp.zeros((), jnp.int32), k_scale=scales[0], v_scale=scales[1])
 
     @property
@@ -86,22 +90,12 @@ class LayerStack(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, param_dtype: Any, rngs: nnx.Rngs):
         L, H, I = config.num_layers, config.hidden_size, config.intermediate_size
-        n, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
         p = lambda shape, axes, kind="normal": _init(rngs, shape, param_dtype, axes, kind)  # noqa: E731
         self.attn_norm = p((L, H), ("layers", "norm"), "ones")
-        self.q = p((L, H, n, d), ("layers", "embed", "heads", "head_dim"))
-        self.k = p((L, H, kv, d), ("layers", "embed", "kv_heads", "head_dim"))
-        self.v = p((L, H, kv, d), ("layers", "embed", "kv_heads", "head_dim"))
-        self.o = p((L, n, d, H), ("layers", "heads", "head_dim", "embed"))
-        if config.qkv_bias:
-            self.q_bias = p((L, n, d), ("layers", "heads", "head_dim"), "zeros")
-            self.k_bias = p((L, kv, d), ("layers", "kv_heads", "head_dim"), "zeros")
-            self.v_bias = p((L, kv, d), ("layers", "kv_heads", "head_dim"), "zeros")
-        if config.o_bias:
-            self.o_bias = p((L, H), ("layers", "norm"), "zeros")
-        if config.qk_norm:
-            self.q_norm = p((L, d), ("layers", "norm"), "ones")
-            self.k_norm = p((L, d), ("layers", "norm"), "ones")
+        if config.mla is not None:
+            self._latent_attention(config, p)
+        else:
+            self._attention(config, p)
         self.mlp_norm = p((L, H), ("layers", "norm"), "ones")
         Ld = len(config.dense_layers)
         if Ld:
@@ -122,6 +116,44 @@ class LayerStack(nnx.Module):
                 self.shared_gate = p((Lm, H, Is), ("layers", "embed", "mlp"))
                 self.shared_up = p((Lm, H, Is), ("layers", "embed", "mlp"))
                 self.shared_down = p((Lm, Is, H), ("layers", "mlp", "embed"))
+
+    def _attention(self, config: ModelConfig, p) -> None:
+        """Grouped-query attention's projections (and the biases and q/k norms of some families)."""
+        L, H = config.num_layers, config.hidden_size
+        n, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q = p((L, H, n, d), ("layers", "embed", "heads", "head_dim"))
+        self.k = p((L, H, kv, d), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v = p((L, H, kv, d), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o = p((L, n, d, H), ("layers", "heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            self.q_bias = p((L, n, d), ("layers", "heads", "head_dim"), "zeros")
+            self.k_bias = p((L, kv, d), ("layers", "kv_heads", "head_dim"), "zeros")
+            self.v_bias = p((L, kv, d), ("layers", "kv_heads", "head_dim"), "zeros")
+        if config.o_bias:
+            self.o_bias = p((L, H), ("layers", "norm"), "zeros")
+        if config.qk_norm:
+            self.q_norm = p((L, d), ("layers", "norm"), "ones")
+            self.k_norm = p((L, d), ("layers", "norm"), "ones")
+
+    def _latent_attention(self, config: ModelConfig, p) -> None:
+        """MLA's projections over every layer and DSA's indexer over the layers that run it
+        (`config.indexer_layers`; their names start with "index_")."""
+        L, H, n, m = config.num_layers, config.hidden_size, config.num_heads, config.mla
+        self.q_a = p((L, H, m.q_lora_rank), ("layers", "embed", "q_lora"))
+        self.q_a_norm = p((L, m.q_lora_rank), ("layers", "norm"), "ones")
+        self.q_b = p((L, m.q_lora_rank, n, m.qk_head_dim), ("layers", "q_lora", "heads", "head_dim"))
+        self.kv_a = p((L, H, m.kv_lora_rank + m.qk_rope_head_dim), ("layers", "embed", "kv_lora"))
+        self.kv_a_norm = p((L, m.kv_lora_rank), ("layers", "norm"), "ones")
+        self.kv_b = p((L, m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim), ("layers", "kv_lora", "heads",
+                                                                                  "head_dim"))
+        self.o = p((L, n, m.v_head_dim, H), ("layers", "heads", "head_dim", "embed"))
+        Li, dsa = len(config.indexer_layers), config.dsa
+        self.index_q = p((Li, m.q_lora_rank, dsa.index_n_heads, dsa.index_head_dim),
+                         ("layers", "q_lora", "index_heads", "index_dim"))
+        self.index_k = p((Li, H, dsa.index_head_dim), ("layers", "embed", "index_dim"))
+        self.index_k_norm = p((Li, dsa.index_head_dim), ("layers", "norm"), "ones")
+        self.index_k_norm_bias = p((Li, dsa.index_head_dim), ("layers", "norm"), "zeros")
+        self.index_weights = p((Li, H, dsa.index_n_heads), ("layers", "embed", "index_heads"))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -233,6 +265,39 @@ def _from_cache(x: jax.Array, scale: jax.Array | None, dtype: Any) -> jax.Array:
     return x.astype(dtype) if scale is None else (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
+def _write_cache(cache_kv: tuple, new: tuple[jax.Array, jax.Array], layer: jax.Array, write_at: jax.Array) -> tuple:
+    """The cache arrays (k, v, k_scale, v_scale) with one layer's new entries new = (k, v)
+    [B, T, heads, width] written in place at [layer, :, write_at] (one position, or one per row)."""
+    stored = []
+    for entry, cache, scales in zip(new, cache_kv[:2], cache_kv[2:]):
+        value, value_scale = _to_cache(entry, cache.dtype)
+        stored_dtype = cache.dtype
+        if stored_dtype.itemsize < 4:  # written as raw bits: XLA:CPU updates a float8 or 16-bit
+            # float array by converting all of it (the whole cache, every layer, every step)
+            bits = {1: jnp.uint8, 2: jnp.uint16}[stored_dtype.itemsize]
+            cache, value = (jax.lax.bitcast_convert_type(x, bits) for x in (cache, value))
+        if write_at.ndim == 0:
+            cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
+            if scales is not None:
+                scales = jax.lax.dynamic_update_slice(scales, value_scale[None], (layer, 0, write_at, 0))
+        else:  # a slot per row: scatter each row's T new entries at its own write position
+            at_row = jnp.arange(value.shape[0])[:, None]
+            cols = write_at[:, None] + jnp.arange(value.shape[1])[None]
+            cache = cache.at[layer, at_row, cols].set(value, mode="drop")
+            if scales is not None:
+                scales = scales.at[layer, at_row, cols].set(value_scale, mode="drop")
+        stored.append((jax.lax.bitcast_convert_type(cache, stored_dtype), scales))
+    (cache_k, k_scale), (cache_v, v_scale) = stored
+    return cache_k, cache_v, k_scale, v_scale
+
+
+def _read_cache(cache_kv: tuple, layer: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """One layer's cached (k, v) [B, S, heads, width], every slot, as `dtype`."""
+    cache_k, cache_v, k_scale, v_scale = cache_kv
+    return tuple(_from_cache(x[layer], None if scale is None else scale[layer], dtype)
+                 for x, scale in ((cache_k, k_scale), (cache_v, v_scale)))
+
+
 def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
                      inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple | None,
                      layer: jax.Array | None, write_at: jax.Array | None, lora: Adapting = Adapting()):
@@ -250,27 +315,7 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if cache_kv is not None:
-        stored = []
-        for new, cache, scales in zip((k, v), cache_kv[:2], cache_kv[2:]):
-            value, value_scale = _to_cache(new, cache.dtype)
-            stored_dtype = cache.dtype
-            if stored_dtype.itemsize < 4:  # written as raw bits: XLA:CPU updates a float8 or 16-bit
-                # float array by converting all of it (the whole cache, every layer, every step)
-                bits = {1: jnp.uint8, 2: jnp.uint16}[stored_dtype.itemsize]
-                cache, value = (jax.lax.bitcast_convert_type(x, bits) for x in (cache, value))
-            if write_at.ndim == 0:
-                cache = jax.lax.dynamic_update_slice(cache, value[None], (layer, 0, write_at, 0, 0))
-                if scales is not None:
-                    scales = jax.lax.dynamic_update_slice(scales, value_scale[None], (layer, 0, write_at, 0))
-            else:  # a slot per row: scatter each row's T new entries at its own write position
-                at_row = jnp.arange(value.shape[0])[:, None]
-                cols = write_at[:, None] + jnp.arange(value.shape[1])[None]
-                cache = cache.at[layer, at_row, cols].set(value, mode="drop")
-                if scales is not None:
-                    scales = scales.at[layer, at_row, cols].set(value_scale, mode="drop")
-            stored.append((jax.lax.bitcast_convert_type(cache, stored_dtype), scales))
-        (cache_k, k_scale), (cache_v, v_scale) = stored
-        cache_kv = (cache_k, cache_v, k_scale, v_scale)
+        cache_kv = _write_cache(cache_kv, (k, v), layer, write_at)
         attn = _cache_attention(q, cache_kv, layer, allowed, jnp.max(write_at) + q.shape[1], dt)
     else:
         attn = _attention(q, k, v, allowed)
@@ -278,6 +323,71 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
     if config.o_bias:
         out = out + w["o_bias"]
     return x + out, cache_kv
+
+
+def _indexer(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, q_c: jax.Array, positions: jax.Array,
+             inv_freq: jax.Array, allowed: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    """DSA's top-k key slots [B, T, k] for the queries of h [B, T, hidden] (q_c: their low-rank
+    query), one full layer's indexer weights `w` ("index_*"), over their own keys or, decoding,
+    the cache's index `keys` [B, S, d_I] (this step's already written in)."""
+    dsa, rope = config.dsa, config.mla.qk_rope_head_dim
+
+    def turned(x):  # RoPE on the first qk_rope_head_dim dimensions
+        return jnp.concatenate([rope_interleaved(x[..., :rope], positions, inv_freq), x[..., rope:]], axis=-1)
+
+    q = turned(jnp.einsum("btr,rjd->btjd", q_c, w["index_q"]))
+    if keys is None:
+        keys = index_keys(config, w, h, positions, inv_freq)
+    weights = jnp.einsum("bth,hj->btj", h, w["index_weights"]).astype(jnp.float32) * dsa.index_n_heads ** -0.5
+    return indexer_topk(index_scores(q, keys, weights), allowed, dsa.index_topk)
+
+
+def index_keys(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
+               inv_freq: jax.Array) -> jax.Array:
+    """The indexer's keys [B, T, d_I] of h: LayerNorm(h·W_k), RoPE on the first qk_rope_head_dim."""
+    rope = config.mla.qk_rope_head_dim
+    k = layer_norm(jnp.einsum("bth,hd->btd", h, w["index_k"]), w["index_k_norm"], w["index_k_norm_bias"])
+    return jnp.concatenate([rope_interleaved(k[..., :rope], positions, inv_freq), k[..., rope:]], axis=-1)
+
+
+def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_w: dict[str, jax.Array] | None,
+                            x: jax.Array, positions: jax.Array, inv_freq: jax.Array, allowed: jax.Array,
+                            topk: jax.Array | None, cache_kv: tuple | None = None, layer: jax.Array | None = None,
+                            write_at: jax.Array | None = None, lora: Adapting = Adapting()
+                            ) -> tuple[jax.Array, tuple | None, jax.Array | None]:
+    """x + MLA(norm(x)) (`opd_jax.models.mla`); returns it, the cache and the top-k key slots it
+    attended (DSA): from this layer's indexer (`index_w`) where it runs one, else the `topk` given
+    (the previous full layer's); None where every key is attended (top-k ≥ the keys).
+
+    Without a cache the keys are the sequence's own. With one, the layer's latent and rotary key
+    ([c ‖ k_R], one vector per token) are written into its k and, for an indexer layer, the
+    indexer's key into its v, at [layer, :, write_at], and the queries attend over every slot the
+    cache holds (`allowed` [B, T, slots])."""
+    m = config.mla
+    h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
+    q_c = rms_norm(project("bth,hr->btr", h, w, "q_a", lora), w["q_a_norm"], LATENT_NORM_EPS)
+    q = project("btr,rnd->btnd", q_c, w, "q_b", lora)
+    q_nope, q_rope = q[..., :m.qk_nope_head_dim], rope_interleaved(q[..., m.qk_nope_head_dim:], positions, inv_freq)
+    compressed = project("bth,hc->btc", h, w, "kv_a", lora)
+    latent = rms_norm(compressed[..., :m.kv_lora_rank], w["kv_a_norm"], LATENT_NORM_EPS)
+    k_rope = rope_interleaved(compressed[..., m.kv_lora_rank:], positions, inv_freq)
+    keys = None
+    if cache_kv is not None:
+        # a shared layer keeps no indexer keys: its v stays zero
+        own_keys = (index_keys(config, index_w, h, positions, inv_freq) if index_w is not None
+                    else jnp.zeros(x.shape[:2] + (config.dsa.index_head_dim,), x.dtype))
+        cache_kv = _write_cache(cache_kv, (jnp.concatenate([latent, k_rope], -1)[:, :, None], own_keys[:, :, None]),
+                                layer, write_at)
+        stored, keys = _read_cache(cache_kv, layer, x.dtype)
+        latent, k_rope, keys = stored[:, :, 0, :m.kv_lora_rank], stored[:, :, 0, m.kv_lora_rank:], keys[:, :, 0]
+    if index_w is not None and config.dsa.index_topk < allowed.shape[-1]:
+        topk = _indexer(config, index_w, h, q_c, positions, inv_freq, allowed, keys)
+    kv_b = merge_adapters({k: v for k, v in w.items() if base_name(k) == "kv_b"}, lora.scale)["kv_b"]
+    w_uk, w_uv = kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
+    q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk)
+    out = mla_attention(q_latent, q_rope, latent, k_rope, allowed, m.qk_head_dim ** -0.5, topk)
+    values = jnp.einsum("btnr,rnv->btnv", out, w_uv)
+    return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk
 
 
 def _segments(config: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -383,6 +493,9 @@ class Backbone(nnx.Module):
         x = self.embed[...].astype(dt)[tokens]
         inv_freq = jnp.asarray(inverse_frequencies(config))
         params = self.layers.arrays()
+        # DSA's indexer weights are stacked over the layers that run it: each such layer reads its own
+        indexing = {k: v for k, v in params.items() if k.startswith("index_")}
+        params = {k: v for k, v in params.items() if not k.startswith("index_")}
         attention = {k: v for k, v in params.items() if base_name(k) not in _DENSE_MLP + _MOE_MLP}
         mlp = {"dense": {k: v for k, v in params.items() if base_name(k) in _DENSE_MLP},
                "moe": {k: v for k, v in params.items() if base_name(k) in _MOE_MLP}}
@@ -393,26 +506,50 @@ class Backbone(nnx.Module):
         # One scan per run of consecutive layers of one kind (dense or MoE), so each scan's
         # weights are its own stacked slices. The cache rides in the carry (not xs/ys) so XLA
         # updates it in place instead of restacking every layer's keys and values per decode step.
+        sparse = config.dsa is not None and config.dsa.index_topk < allowed.shape[-1]
+        # per layer: its row in the indexer's stack (-1: it reuses the previous full layer's top-k)
+        index_row = jnp.asarray([config.indexer_layers.index(i) if i in config.indexer_layers else -1
+                                 for i in range(config.num_layers)], jnp.int32)
+
         def body(kind, carry, layer_in):
-            x, kv = carry
+            x, kv, topk = carry
             p, m, f, layer = layer_in
             w = {name: value.astype(dt) for name, value in p.items()}
             adapting = lora.at(layer)
-            x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting)
+            if config.mla is None:
+                x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting)
+            elif not sparse and kv is None:
+                x, _, _ = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed, None,
+                                                  lora=adapting)
+            else:
+                row = index_row[layer]
+
+                def own(kv, topk):  # this layer runs its indexer
+                    index_w = {name: value[row].astype(dt) for name, value in indexing.items()}
+                    x_out, kv, chosen = _latent_attention_block(config, w, index_w, x, positions, inv_freq, allowed,
+                                                                None, kv, layer, write_at, adapting)
+                    return x_out, kv, topk if chosen is None else chosen
+
+                def shared(kv, topk):
+                    return _latent_attention_block(config, w, None, x, positions, inv_freq, allowed,
+                                                   topk if sparse else None, kv, layer, write_at, adapting)[:2] + (topk,)
+
+                x, kv, topk = jax.lax.cond(row >= 0, own, shared, kv, topk)
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             m = {name: value if name.startswith("router") else value.astype(dt) for name, value in m.items()}
             if kind == "dense":
-                return (x + _dense_mlp(h, m, adapting), kv), None
+                return (x + _dense_mlp(h, m, adapting), kv, topk), None
             out, info = _moe_mlp(config, h, m, f, replay, mask, adapting)
-            return (x + out, kv), info
+            return (x + out, kv, topk), info
 
         used = []
+        topk = jnp.zeros((B, T, config.dsa.index_topk) if sparse else (0,), jnp.int32)
         for kind, start, stop, first in _segments(config):
             xs = ({k: v[start:stop] for k, v in attention.items()},
                   {k: v[first:first + stop - start] for k, v in mlp[kind].items()},
                   None if forced is None or kind == "dense" else forced[first:first + stop - start],
                   jnp.arange(start, stop))
-            (x, kv), info = jax.lax.scan(functools.partial(body, kind), (x, kv), xs, unroll=unroll)
+            (x, kv, topk), info = jax.lax.scan(functools.partial(body, kind), (x, kv, topk), xs, unroll=unroll)
             if info is not None:
                 used.append(info)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)

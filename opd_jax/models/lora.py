@@ -10,7 +10,8 @@ reads per-layer slices of the stacked arrays. Flax supplies the adapter's variab
 the training steps' filters use) and the initializers; the one matmul on each side is below.
 
 Targets use PEFT's module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-down_proj ("all-linear": all seven). An MLP name covers every MLP of that name, as PEFT's
+down_proj, and GLM-5's q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj ("all-linear": every
+one the model has). An MLP name covers every MLP of that name, as PEFT's
 suffix matching does: the dense MLP, a MoE model's shared experts and each routed expert (one
 adapter per expert). The router and the output head stay frozen.
 
@@ -36,6 +37,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "gate_proj": ("gate", "shared_gate", "expert_gate"),
     "up_proj": ("up", "shared_up", "expert_up"),
     "down_proj": ("down", "shared_down", "expert_down"),
+    # GLM-5's latent attention (its o_proj is o_proj); DSA's indexer takes no adapter: no gradient reaches it
+    "q_a_proj": ("q_a",), "q_b_proj": ("q_b",), "kv_a_proj_with_mqa": ("kv_a",), "kv_b_proj": ("kv_b",),
 }
 ALL_LINEAR = "all-linear"
 RANK_AXIS = "lora_rank"

@@ -44,6 +44,8 @@ _MATMULS: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = {
     "gate": (1, (1,), (2,)), "up": (1, (1,), (2,)), "down": (1, (1,), (2,)),
     "shared_gate": (1, (1,), (2,)), "shared_up": (1, (1,), (2,)), "shared_down": (1, (1,), (2,)),
     "expert_gate": (2, (2,), (3,)), "expert_up": (2, (2,), (3,)), "expert_down": (2, (2,), (3,)),
+    # GLM-5's latent attention (its indexer keeps the engine's dtype, as routers do)
+    "q_a": (1, (1,), (2,)), "q_b": (1, (1,), (2, 3)), "kv_a": (1, (1,), (2,)), "kv_b": (1, (1,), (2, 3)),
 }
 
 

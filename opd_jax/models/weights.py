@@ -30,12 +30,13 @@ class _Weight:
     ours_shape: Callable[[ModelConfig], tuple[int, ...]]
     transpose: bool  # True for linear weights: HF [out, in] <-> ours [in, ...out]
     present: Callable[[ModelConfig], bool] = lambda c: True
-    layers: str = "all"  # which layers hold it: "all", "dense" (dense MLP) or "moe" (router, experts)
+    layers: str = "all"  # which layers hold it: "all", "dense" (dense MLP), "moe" (router, experts) or
+    # "indexer" (DSA's indexer, on the layers that run one)
     per_expert: bool = False  # one HF tensor per expert ("{e}" in hf_suffix), stacked on our axis 1
 
     def layer_ids(self, config: ModelConfig) -> tuple[int, ...]:
         return {"all": tuple(range(config.num_layers)), "dense": config.dense_layers,
-                "moe": config.moe_layers}[self.layers]
+                "moe": config.moe_layers, "indexer": config.indexer_layers}[self.layers]
 
     def hf_names(self, config: ModelConfig, layer: int) -> list[str]:
         if self.per_expert:
@@ -44,17 +45,47 @@ class _Weight:
 
 
 _H = lambda c: c.hidden_size  # noqa: E731
+_gqa = lambda c: c.mla is None  # noqa: E731
+_mla = lambda c: c.mla is not None  # noqa: E731
 _shared = lambda c: c.moe.num_shared_experts * c.moe.intermediate_size if c.moe else 0  # noqa: E731
 _LAYER_WEIGHTS: dict[str, _Weight] = {
     "attn_norm": _Weight("input_layernorm.weight", lambda c: (_H(c),), lambda c: (_H(c),), False),
     "q": _Weight("self_attn.q_proj.weight", lambda c: (c.num_heads * c.head_dim, _H(c)),
-                 lambda c: (_H(c), c.num_heads, c.head_dim), True),
+                 lambda c: (_H(c), c.num_heads, c.head_dim), True, _gqa),
     "k": _Weight("self_attn.k_proj.weight", lambda c: (c.num_kv_heads * c.head_dim, _H(c)),
-                 lambda c: (_H(c), c.num_kv_heads, c.head_dim), True),
+                 lambda c: (_H(c), c.num_kv_heads, c.head_dim), True, _gqa),
     "v": _Weight("self_attn.v_proj.weight", lambda c: (c.num_kv_heads * c.head_dim, _H(c)),
-                 lambda c: (_H(c), c.num_kv_heads, c.head_dim), True),
-    "o": _Weight("self_attn.o_proj.weight", lambda c: (_H(c), c.num_heads * c.head_dim),
-                 lambda c: (c.num_heads, c.head_dim, _H(c)), True),
+                 lambda c: (_H(c), c.num_kv_heads, c.head_dim), True, _gqa),
+    "o": _Weight("self_attn.o_proj.weight", lambda c: (_H(c), c.num_heads * c.v_head_dim),
+                 lambda c: (c.num_heads, c.v_head_dim, _H(c)), True),
+    # GLM-5's latent attention (MLA) and DSA's indexer (`opd_jax.models.mla`)
+    "q_a": _Weight("self_attn.q_a_proj.weight", lambda c: (c.mla.q_lora_rank, _H(c)),
+                   lambda c: (_H(c), c.mla.q_lora_rank), True, _mla),
+    "q_a_norm": _Weight("self_attn.q_a_layernorm.weight", lambda c: (c.mla.q_lora_rank,),
+                        lambda c: (c.mla.q_lora_rank,), False, _mla),
+    "q_b": _Weight("self_attn.q_b_proj.weight", lambda c: (c.num_heads * c.mla.qk_head_dim, c.mla.q_lora_rank),
+                   lambda c: (c.mla.q_lora_rank, c.num_heads, c.mla.qk_head_dim), True, _mla),
+    "kv_a": _Weight("self_attn.kv_a_proj_with_mqa.weight",
+                    lambda c: (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim, _H(c)),
+                    lambda c: (_H(c), c.mla.kv_lora_rank + c.mla.qk_rope_head_dim), True, _mla),
+    "kv_a_norm": _Weight("self_attn.kv_a_layernorm.weight", lambda c: (c.mla.kv_lora_rank,),
+                         lambda c: (c.mla.kv_lora_rank,), False, _mla),
+    "kv_b": _Weight("self_attn.kv_b_proj.weight",
+                    lambda c: (c.num_heads * (c.mla.qk_nope_head_dim + c.mla.v_head_dim), c.mla.kv_lora_rank),
+                    lambda c: (c.mla.kv_lora_rank, c.num_heads, c.mla.qk_nope_head_dim + c.mla.v_head_dim), True,
+                    _mla),
+    "index_q": _Weight("self_attn.indexer.wq_b.weight",
+                       lambda c: (c.dsa.index_n_heads * c.dsa.index_head_dim, c.mla.q_lora_rank),
+                       lambda c: (c.mla.q_lora_rank, c.dsa.index_n_heads, c.dsa.index_head_dim), True, _mla,
+                       "indexer"),
+    "index_k": _Weight("self_attn.indexer.wk.weight", lambda c: (c.dsa.index_head_dim, _H(c)),
+                       lambda c: (_H(c), c.dsa.index_head_dim), True, _mla, "indexer"),
+    "index_k_norm": _Weight("self_attn.indexer.k_norm.weight", lambda c: (c.dsa.index_head_dim,),
+                            lambda c: (c.dsa.index_head_dim,), False, _mla, "indexer"),
+    "index_k_norm_bias": _Weight("self_attn.indexer.k_norm.bias", lambda c: (c.dsa.index_head_dim,),
+                                 lambda c: (c.dsa.index_head_dim,), False, _mla, "indexer"),
+    "index_weights": _Weight("self_attn.indexer.weights_proj.weight", lambda c: (c.dsa.index_n_heads, _H(c)),
+                             lambda c: (_H(c), c.dsa.index_n_heads), True, _mla, "indexer"),
     "q_bias": _Weight("self_attn.q_proj.bias", lambda c: (c.num_heads * c.head_dim,),
                       lambda c: (c.num_heads, c.head_dim), False, lambda c: c.qkv_bias),
     "k_bias": _Weight("self_attn.k_proj.bias", lambda c: (c.num_kv_heads * c.head_dim,),
@@ -112,7 +143,7 @@ def _extra_layer(name: str, config: ModelConfig) -> bool:
     """A tensor of a layer past the model's: GLM-4.5's multi-token-prediction layers, which
     transformers (and this model) do not use."""
     parts = name.split(".")
-    return (config.family == "glm4_moe" and len(parts) > 2 and parts[:2] == ["model", "layers"]
+    return (config.family in ("glm4_moe", "glm_moe_dsa") and len(parts) > 2 and parts[:2] == ["model", "layers"]
             and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
 
 

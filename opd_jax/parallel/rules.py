@@ -38,6 +38,10 @@ DEFAULT_RULES: LogicalRules = (
     ("mlp", "tensor"),
     ("layers", None),
     ("head_dim", None),
+    ("q_lora", None),  # MLA's low-rank query and compressed key/value widths: the latents every head reads
+    ("kv_lora", None),
+    ("index_heads", "tensor"),  # DSA's indexer heads, split as attention heads are
+    ("index_dim", None),
     ("norm", None),
     ("lora_rank", None),  # a LoRA adapter's inner dimension (small; its other axis is sharded as the weight's)
     ("lora_adapter", None),  # the adapters of a bank (LoRA teachers on one base; each is small)

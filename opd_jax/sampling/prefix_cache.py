@@ -45,15 +45,15 @@ def prefix_tokens(config: Any, dtype: str, budget_bytes: float) -> int:
     """How many tokens' KV fit in `budget_bytes` for a model of `config` with a KV cache of
     `dtype` (a float8 cache adds its float32 scales)."""
     per_value = np.dtype(jnp.dtype(dtype)).itemsize
-    values = 2 * config.num_layers * config.num_kv_heads
-    per_token = values * (config.head_dim * per_value + (4 if per_value == 1 else 0))
+    per_token = config.num_layers * sum(heads * (width * per_value + (4 if per_value == 1 else 0))
+                                        for heads, width in config.cache_entries)
     return int(budget_bytes // per_token)
 
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """The KV of one token sequence: k, v [layers, n, kv_heads, head_dim]; k_scale, v_scale
-    [layers, n, kv_heads] for a float8 cache; routing [n, MoE layers, k] for a MoE model."""
+    """The KV of one token sequence: k, v [layers, n, heads, width] (`ModelConfig.cache_entries`);
+    k_scale, v_scale [layers, n, heads] for a float8 cache; routing [n, MoE layers, k] for a MoE model."""
 
     ids: tuple[int, ...]
     k: jax.Array
@@ -86,12 +86,20 @@ def token_flops(config: Any) -> tuple[float, float]:
     over all layers). The output head is left out: a prefill needs it at one position only."""
     c = config
     projections = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    per_key = 4 * c.num_heads * c.head_dim
+    if c.mla is not None:  # MLA's low-rank projections; per key, absorbed: a latent and rotary key read twice
+        m = c.mla
+        projections = (c.hidden_size * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+                       + m.q_lora_rank * c.num_heads * m.qk_head_dim
+                       + m.kv_lora_rank * c.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+                       + c.num_heads * m.v_head_dim * c.hidden_size)
+        per_key = 2 * c.num_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
     dense_mlp = 3 * c.hidden_size * c.intermediate_size
     mlps = [dense_mlp] * c.num_layers
     if c.moe is not None:
         routed = 3 * c.hidden_size * c.moe.intermediate_size * (c.moe.experts_per_token + c.moe.num_shared_experts)
         mlps = [routed if i in c.moe_layers else dense_mlp for i in range(c.num_layers)]
-    return 2.0 * (c.num_layers * projections + sum(mlps)), 4.0 * c.num_layers * c.num_heads * c.head_dim
+    return 2.0 * (c.num_layers * projections + sum(mlps)), float(c.num_layers * per_key)
 
 
 @dataclasses.dataclass
@@ -282,7 +290,8 @@ def prefill_window(config: Any, dtype: str, prompts: Sequence[Sequence[int]], pr
     fp8 = np.dtype(jnp.dtype(dtype)).itemsize == 1
 
     def stacked(field: str) -> np.ndarray:
-        trail = (config.num_kv_heads, config.head_dim) if field in ("k", "v") else (config.num_kv_heads,)
+        heads, width = config.cache_entries[field[0] == "v"]
+        trail = (heads, width) if field in ("k", "v") else (heads,)
         out = np.zeros((config.num_layers, rows, before, *trail), np.float32)
         for u, (x, n) in enumerate(zip(prefixes, placed)):
             if x is not None and n:

@@ -16,6 +16,7 @@ from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_mod
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.config import ModelFormatError, family_defaults
 from opd_jax.models.lora import adapts_routed_experts, dequantized_params, merged_params
+from opd_jax.models.mla import DSAConfig, MLAConfig
 from opd_jax.models.moe import MoEConfig
 from opd_jax.models.quant import QuantScheme, quantize_decoder
 from opd_jax.models.weights import build_from_params
@@ -52,7 +53,7 @@ def add_configured_adapters(policy: Decoder, section: ModelSection, seed: int) -
 # a selection bias). Every other field is the section's own, under the same name: the section
 # (config.FreshModel / FreshMoE) keeps the from-scratch defaults and descriptions, the dataclass
 # (ModelConfig / MoEConfig) every model's meaning; tests/test_config.py checks the names match.
-_NOT_FROM_SECTION = {"family", "moe", "seed"}
+_NOT_FROM_SECTION = {"family", "moe", "mla", "dsa", "seed"}
 
 
 def fresh_model_config(f: Any) -> ModelConfig:
@@ -61,8 +62,16 @@ def fresh_model_config(f: Any) -> ModelConfig:
     tokenizer = char_tokenizer()
     fields = {name: getattr(f, name) for name in type(f).model_fields if name not in _NOT_FROM_SECTION}
     try:
+        mla = dsa = None
+        if f.mla is not None:  # GLM-5: every head its own key and value; head_dim is the rotary part
+            mla = MLAConfig(**{name: getattr(f.mla, name) for name in type(f.mla).model_fields})
+            types = f.dsa.indexer_types or ["full"] * f.num_layers
+            dsa = DSAConfig(index_topk=f.dsa.index_topk, index_head_dim=f.dsa.index_head_dim,
+                            index_n_heads=f.dsa.index_n_heads, indexer_types=tuple(types))
+            fields.update(head_dim=mla.qk_rope_head_dim, num_kv_heads=f.num_heads)
         return ModelConfig(family=f.family, vocab_size=tokenizer.vocab_size, eos_token_ids=(tokenizer.eos_token_id,),
-                           moe=_fresh_moe(f), **fields, **family_defaults(f.family, qk_norm=f.family == "glm4_moe"))
+                           moe=_fresh_moe(f), mla=mla, dsa=dsa, **fields,
+                           **family_defaults(f.family, qk_norm=f.family == "glm4_moe"))
     except ValueError as e:
         raise ModelFormatError(f"model.fresh: {e}") from None
 
@@ -70,7 +79,7 @@ def fresh_model_config(f: Any) -> ModelConfig:
 def _fresh_moe(fresh: Any) -> MoEConfig | None:
     if fresh.moe is None:
         return None
-    glm = fresh.family == "glm4_moe"
+    glm = fresh.family in ("glm4_moe", "glm_moe_dsa")
     fields = {name: getattr(fresh.moe, name) for name in type(fresh.moe).model_fields}
     fields["dense_layers"] = tuple(fields["dense_layers"])
     return MoEConfig(router="sigmoid" if glm else "softmax", score_correction_bias=glm, **fields)

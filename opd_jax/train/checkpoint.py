@@ -149,8 +149,8 @@ def _is_state(x: Any) -> bool:
 
 def trained_part(state: Any) -> Any:
     """What a checkpoint holds of a train state: every parameter tree without its frozen part (a
-    LoRA model's base, `split_trainable`), which the run rebuilds from its config; a state
-    without adapters is all of it."""
+    LoRA model's base, GLM-5's indexers: `split_trainable`), which the run rebuilds from its
+    config; a state with nothing frozen is all of it."""
     return jax.tree.map(lambda x: split_trainable(x)[0] if _is_state(x) else x, state, is_leaf=_is_state)
 
 
@@ -161,8 +161,9 @@ def with_frozen(trained: Any, like: Any) -> Any:
 
 
 def frozen_fingerprint(state: Any) -> list[float] | None:
-    """Sums and absolute sums of every frozen leaf of `state` (a LoRA model's base), rounded: what
-    a checkpoint that leaves the base out records to tell that the run rebuilt the same base.
+    """Sums and absolute sums of every frozen leaf of `state` (a LoRA model's base, GLM-5's
+    indexers), rounded: what a checkpoint that leaves them out records to tell that the run rebuilt
+    the same ones.
     None when nothing is frozen."""
     frozen = [split_trainable(x)[1] for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
     leaves = jax.tree.leaves([f for f in frozen if f is not None])

@@ -1,0 +1,148 @@
+"""GLM-5's attention: multi-head latent attention (MLA, DeepSeek-V2/V3) with DeepSeek sparse
+attention (DSA, DeepSeek-V3.2) and the indexer shared across layers (GLM-5's IndexShare).
+
+MLA. A token's keys and values come from one compressed latent c = RMSNorm(x·W_kv_a[:r]) of
+kv_lora_rank r and one rotary key k_R = RoPE(x·W_kv_a[r:]) shared by every head; head i's key
+is [c·W_uk_i, k_R] and its value c·W_uv_i (kv_b_proj holds W_uk and W_uv). Its query comes through
+a low rank too: q_c = RMSNorm(x·W_q_a), q_i = q_c·W_q_b_i = [q_N_i, RoPE(q_R_i)]. Attention is
+computed in the absorbed form: with q̃_i = q_N_i·W_uk_iᵀ (a vector of width r),
+
+    score_i(t, s) = (q̃_i(t)·c(s) + q_R_i(t)·k_R(s)) / √(d_nope + d_rope)
+    out_i(t) = (Σ_s softmax_s(score_i(t, ·)) c(s)) · W_uv_i
+
+so keys are never expanded per head: a cache holds c and k_R per token (r + d_rope numbers, not
+2·heads·head_dim), and every head reads the same gathered latents.
+
+DSA. A lightning indexer scores every earlier token s for query t with
+    I(t, s) = Σ_j w_j(t) · ReLU(q^I_j(t)·k^I(s) / √d_I),   w(t) = x(t)·W_w / √n_I,
+(q^I from q_c, k^I = LayerNorm(x·W_k), both with RoPE on their first d_rope dimensions) and the
+query attends only to the index_topk best (`indexer_topk`). Layers whose indexer type is "shared"
+reuse the previous "full" layer's choice. The choice is discrete: no gradient reaches the indexer
+through it (transformers runs it under no_grad; DeepSeek-V3.2 trains it apart, by a KL to dense
+attention), and training leaves its weights as they are (`opd_jax.train` freezes them).
+
+RoPE here is the interleaved kind of DeepSeek and GLM-5: dimensions (2i, 2i+1) turn together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+
+# the latents' RMSNorms (q_a_layernorm, kv_a_layernorm) take no eps from config.json: theirs is fixed
+LATENT_NORM_EPS = 1e-6
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # as the decoder's: a fully masked row stays finite
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention's ranks and head widths (GLM-5: 2048, 512, 192, 64, 256)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """DSA's indexer: its heads and width, the keys each query keeps, and which layers run it
+    ("full") or reuse the previous full layer's choice ("shared")."""
+
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    indexer_types: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("index_topk", "index_head_dim", "index_n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        unknown = sorted(set(self.indexer_types) - {"full", "shared"})
+        if unknown:
+            raise ValueError(f"indexer_types may hold 'full' and 'shared' only, got {unknown[0]!r}")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise ValueError("indexer_types[0] must be 'full': a shared layer reuses an earlier layer's top-k")
+
+
+def rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [B, T, ..., D] (D = 2·len(inv_freq)) with pairs (x_2i, x_2i+1) turned by positions·inv_freq_i;
+    positions [B, T]. The result lays the turned pairs out as transformers does, evens then odds:
+    [x_2i·cos − x_2i+1·sin | x_2i+1·cos + x_2i·sin]: a layout shared by queries and keys, so their
+    products are the interleaved rotation's. Angles in float32, cast to x's dtype first."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """(x − mean) / sqrt(var + eps) · weight + bias over the last axis, in float32."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    out = (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array) -> jax.Array:
+    """The indexer's I(t, s) = Σ_j weights_j(t) · ReLU(q_j(t)·k(s) / √d), in float32.
+
+    q: [B, T, n_I, d] (RoPE applied), k: [B, S, d] (normed, RoPE applied), weights: [B, T, n_I]
+    (already scaled by 1/√n_I). Returns [B, T, S]."""
+    chex.assert_rank([q, k, weights], [4, 3, 3])
+    scores = jnp.einsum("btjd,bsd->btjs", q.astype(jnp.float32), k.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
+    return jnp.einsum("btj,btjs->bts", weights.astype(jnp.float32), jax.nn.relu(scores))
+
+
+def indexer_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
+    """The k keys [B, T, k] (int32) of highest index score among the `allowed` [B, T, S] ones,
+    outside the gradient; where fewer than k are allowed, the rest are disallowed keys, which the
+    attention masks out (`mla_attention`)."""
+    chex.assert_equal_shape([scores, allowed])
+    masked = jnp.where(allowed, jax.lax.stop_gradient(scores), -jnp.inf)
+    return jax.lax.top_k(masked, k)[1].astype(jnp.int32)
+
+
+def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                  allowed: jax.Array, scale: float, topk: jax.Array | None = None) -> jax.Array:
+    """Absorbed-form attention over the latents: the per-head output in latent space [B, T, n, r]
+    (multiply by W_uv for the values' width).
+
+    q_latent: [B, T, n, r] (q_N·W_ukᵀ); q_rope: [B, T, n, d_R]; latent: [B, S, r]; k_rope:
+    [B, S, d_R]; allowed: [B, T, S] (causality, padding, segments). topk: [B, T, k] key slots per
+    query (DSA): only those are gathered and attended over, where also allowed; None: every key."""
+    chex.assert_rank([q_latent, q_rope, latent, k_rope, allowed], [4, 4, 3, 3, 3])
+    f32 = jnp.float32
+    if topk is None:
+        scores = (jnp.einsum("btnr,bsr->btns", q_latent, latent, preferred_element_type=f32)
+                  + jnp.einsum("btnd,bsd->btns", q_rope, k_rope, preferred_element_type=f32)) * scale
+        scores = jnp.where(allowed[:, :, None, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
+        return jnp.einsum("btns,bsr->btnr", probs, latent)
+    take = jax.vmap(lambda values, index: values[index])  # per row: [S, ...] at [T, k] -> [T, k, ...]
+    chosen_latent, chosen_rope = take(latent, topk), take(k_rope, topk)  # [B, T, k, r], [B, T, k, d_R]
+    keep = jnp.take_along_axis(allowed, topk, axis=-1)  # [B, T, k]
+    scores = (jnp.einsum("btnr,btkr->btnk", q_latent, chosen_latent, preferred_element_type=f32)
+              + jnp.einsum("btnd,btkd->btnk", q_rope, chosen_rope, preferred_element_type=f32)) * scale
+    scores = jnp.where(keep[:, :, None, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
+    return jnp.einsum("btnk,btkr->btnr", probs, chosen_latent)

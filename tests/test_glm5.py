@@ -1,0 +1,205 @@
+"""GLM-5's architecture (MLA with DSA's indexer shared across layers) beyond parity with
+transformers (test_model_parity holds the glm_moe_dsa checkpoint): the sparsity matters, no
+gradient goes through the indexer's choice, the compressed cache decodes as the full forward does,
+and the embedded engine's log-probs are the trainer's."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from opd_jax.models import Decoder, KVCache, ModelConfig
+from opd_jax.models.mla import DSAConfig, MLAConfig
+from opd_jax.models.moe import MoEConfig
+from opd_jax.models.value import ValueModel
+from opd_jax.sampling import Sampler, SamplingParams
+
+# four layers: the indexer in 0 and 2, reused in 1 and 3; experts in 1 and 3; keys kept per query: 4
+GLM5 = ModelConfig(family="glm_moe_dsa", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=4,
+                   num_heads=4, num_kv_heads=4, head_dim=8, max_position_embeddings=256,
+                   moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=16, router="sigmoid",
+                                 norm_topk_prob=True, routed_scaling_factor=2.5, score_correction_bias=True,
+                                 num_shared_experts=1, dense_layers=(0, 2)),
+                   mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12),
+                   dsa=DSAConfig(index_topk=4, index_head_dim=16, index_n_heads=8,
+                                 indexer_types=("full", "shared", "full", "shared")))
+
+
+def peaked(model: nnx.Module, scale: float = 6.0) -> nnx.Module:
+    """The model with its matrices scaled up: peaked next-token distributions, decisive indexers."""
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * scale if x.ndim >= 3 else x, state))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peaked(Decoder(GLM5, rngs=nnx.Rngs(0)))
+
+
+def dense_twin(model: Decoder) -> Decoder:
+    """The same weights with every key attended (top-k past any sequence here)."""
+    config = dataclasses.replace(GLM5, dsa=dataclasses.replace(GLM5.dsa, index_topk=1024))
+    graphdef, state = nnx.split(model)
+    twin = Decoder(config, rngs=nnx.Rngs(0))
+    nnx.update(twin, state)
+    return twin
+
+
+def test_the_indexers_choice_changes_the_logits_and_takes_no_gradient(model):
+    """Past 4 tokens the queries attend to 4 keys of the indexer's choosing: the logits are not
+    dense attention's (before, they are); the loss's gradient reaches every MLA weight but none of
+    the indexer's (its choice is discrete, as the router's correction bias), and the top-k really is a function of the indexer
+    weights (moving them changes the logits)."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, GLM5.vocab_size, (2, 24)), jnp.int32)
+    forward = nnx.jit(lambda model, tokens: model(tokens))
+    sparse, dense = np.asarray(forward(model, tokens)), np.asarray(forward(dense_twin(model), tokens))
+    np.testing.assert_allclose(sparse[:, :4], dense[:, :4], atol=1e-5)
+    assert np.abs(sparse[:, 8:] - dense[:, 8:]).max() > 0.05 * np.abs(dense).max()
+
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    grads = nnx.to_pure_dict(jax.jit(jax.grad(loss))(params))["backbone"]["layers"]
+    for name, g in grads.items():
+        moved = float(jnp.abs(g).max())
+        # the router's correction bias only selects experts (GLM-4.5's, as the indexer selects keys)
+        assert (moved == 0) == (name.startswith("index_") or name == "router_bias"), (name, moved)
+    bumped = nnx.merge(graphdef, jax.tree.map(lambda x: x, params))
+    layers = bumped.backbone.layers
+    layers.index_weights[...] = -layers.index_weights[...]  # the opposite keys win
+    assert np.abs(np.asarray(forward(bumped, tokens))[:, 8:] - sparse[:, 8:]).max() > 1e-3
+
+
+def test_the_compressed_cache_decodes_as_the_full_forward(model):
+    """Prefill 6 tokens then decode one at a time through a 40-slot cache (latent and rotary key
+    per token in k, the indexer's key in v): every step's logits are the full forward's."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, GLM5.vocab_size, (2, 20)), jnp.int32)
+    full = np.asarray(model(tokens))
+    cache = KVCache.empty(GLM5, 2, 40, jnp.float32)
+    assert cache.k.shape == (4, 2, 40, 1, 16 + 8) and cache.v.shape == (4, 2, 40, 1, 16)
+    positions = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+    decode = nnx.jit(lambda model, tokens, cache, positions: model.decode(tokens, cache, positions=positions))
+    logits, cache, _ = decode(model, tokens[:, :6], cache, positions[:, :6])
+    np.testing.assert_allclose(np.asarray(logits), full[:, 5], atol=1e-5)
+    for t in range(6, 20):
+        logits, cache, _ = decode(model, tokens[:, t:t + 1], cache, positions[:, t:t + 1])
+        np.testing.assert_allclose(np.asarray(logits), full[:, t], atol=1e-5)
+    assert not np.asarray(cache.v[1]).any() and np.asarray(cache.v[0, :, :20]).any()  # shared layers keep no keys
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_the_engines_log_probs_are_the_trainers(model, slots):
+    """Ragged prompts sampled by the embedded engine (one static batch, and continuous batching
+    over 3 slots): each token's log-prob equals the trainer's scoring of the whole sequence
+    (f32, 1e-5)."""
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(0, GLM5.vocab_size, n)) for n in (3, 11, 7, 1, 9)]
+    params = SamplingParams(max_new_tokens=14, temperature=1.0)
+    rollouts = Sampler(model, max_cache_len=64, slots=slots).generate(prompts, params, jax.random.key(3))
+    seqs = [list(r.prompt_ids) + list(r.output_ids) for r in rollouts]
+    tokens, mask = np.zeros((len(seqs), 32), np.int32), np.zeros((len(seqs), 32), np.int32)
+    for i, seq in enumerate(seqs):  # right-padded: padding changes no real token's logits
+        tokens[i, :len(seq)], mask[i, :len(seq)] = seq, 1
+    score = nnx.jit(lambda model, tokens, mask: jax.nn.log_softmax(model(tokens, attention_mask=mask)))
+    logp = np.asarray(score(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    for i, rollout in enumerate(rollouts):
+        P, n = len(rollout.prompt_ids), len(rollout.output_ids)
+        ref = logp[i, P - 1:P - 1 + n][np.arange(n), list(rollout.output_ids)]
+        np.testing.assert_allclose(rollout.output_logprobs, ref, atol=1e-5)
+
+
+def test_the_critic_reads_the_same_backbone(model):
+    """A critic made from the GLM-5 policy: its values are its head on the policy's final hidden
+    states, through the same sparse attention (a critic from the dense twin gives other values)."""
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, GLM5.vocab_size, (2, 16)), jnp.int32)
+    critic = ValueModel.from_policy(model, head_init="small", key=jax.random.key(0), scale=0.1)
+    value = nnx.jit(lambda critic, tokens: critic(tokens))
+    values = np.asarray(value(critic, tokens))
+    hidden, _ = nnx.jit(lambda model, tokens: model.backbone.forward(tokens))(model, tokens)
+    np.testing.assert_allclose(values, np.asarray(hidden) @ np.asarray(critic.value_head[...]), atol=1e-5)
+    twin = ValueModel.from_policy(dense_twin(model), head_init="small", key=jax.random.key(0), scale=0.1)
+    assert np.abs(np.asarray(value(twin, tokens))[:, 8:] - values[:, 8:]).max() > 1e-3
+
+
+def test_a_quantized_engine_computes_with_its_dequantized_weights_and_an_fp8_cache_close_to_them(model):
+    """An int8 engine (MLA's projections and the experts quantized; the indexer and routers not):
+    its log-probs are a full forward's with the dequantized weights (f32 cache: 1e-5), and the
+    quantization is real. With an FP8 compressed cache (latent, rotary and indexer keys in e4m3,
+    a scale per token) they stay within the cache's rounding of it (measured: 0.07 at most)."""
+    from opd_jax.models.quant import QuantizedWeight, QuantScheme
+    from opd_jax.train.build import EngineNumerics, engine_model
+
+    engine = engine_model(GLM5, nnx.state(model, nnx.Param), EngineNumerics("float32", QuantScheme("int8", "channel")))
+    layers = engine.backbone.layers
+    assert all(isinstance(getattr(layers, n).get_value(), QuantizedWeight) for n in ("q_a", "q_b", "kv_a", "kv_b", "o"))
+    assert not isinstance(layers.index_q.get_value(), QuantizedWeight)
+    dequantized = Decoder(GLM5, rngs=nnx.Rngs(1))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for name, value in vars(layers).items():
+        if isinstance(value, nnx.Param) and isinstance(value.get_value(), QuantizedWeight):
+            pure["backbone"]["layers"][name] = value.get_value().astype(jnp.float32)
+    nnx.update(dequantized, pure)
+    prompts = [list(np.random.default_rng(5).integers(0, GLM5.vocab_size, 9))]
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    score = nnx.jit(lambda model, tokens: jax.nn.log_softmax(model(tokens)))
+    for cache, atol in ((None, 1e-5), ("float8_e4m3fn", 0.15)):
+        (rollout,) = Sampler(engine, max_cache_len=32, kv_cache_dtype=cache).generate(prompts, params,
+                                                                                      jax.random.key(6))
+        seq = jnp.asarray([list(rollout.prompt_ids) + list(rollout.output_ids)], jnp.int32)
+        ids = list(rollout.output_ids)
+        ref = np.asarray(score(dequantized, seq))[0, 8:-1][np.arange(10), ids]
+        np.testing.assert_allclose(rollout.output_logprobs, ref, atol=atol)
+    assert np.abs(ref - np.asarray(score(model, seq))[0, 8:-1][np.arange(10), ids]).max() > 1e-4
+
+
+def test_the_prefix_cache_serves_the_compressed_cache(model):
+    """Multi-turn episodes (each turn extends the last): with the prefix store, later turns
+    prefill only what was appended, from stored latents and indexer keys, and every token, log-prob
+    and expert equals the cache-off engine's."""
+    from test_prefix_cache import assert_same, episodes
+
+    plain = episodes(Sampler(model, slots=3))
+    cached_sampler = Sampler(model, slots=3, prefix_cache_tokens=10_000)
+    assert_same(plain, episodes(cached_sampler), atol=1e-5)
+    assert cached_sampler.prefix_store.stats.take()["prefix_hit_frac"] > 0.5
+
+
+def test_peft_loads_our_adapters_on_mla_and_the_merged_export_is_the_same_model(tmp_path):
+    """LoRA on GLM-5's projections under PEFT's names (q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+    kv_b_proj, o_proj; kv_b's adapter folds into the absorbed attention): PEFT on the transformers
+    model gives our logits over 20 tokens (past the top-k), and so does the merged export."""
+    import peft
+    import transformers
+    from hf_reference import hf_logits, make_hf_model
+
+    from opd_jax.models import load_model, save_model
+    from opd_jax.models.adapter_io import save_adapter
+    from opd_jax.models.lora import LoraConfig
+
+    make_hf_model("glm_moe_dsa", tmp_path / "base")
+    model, _ = load_model(tmp_path / "base")
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    model.add_lora(LoraConfig(rank=4, alpha=8.0, targets=targets), nnx.Rngs(3))
+    keys = iter(jax.random.split(jax.random.key(4), 16))
+    for name, var in vars(model.backbone.layers).items():
+        if name.endswith("_lora_b"):  # B away from zero, so every adapter acts
+            var[...] = 0.05 * jax.random.normal(next(keys), var[...].shape)
+    assert {n[:-7] for n in vars(model.backbone.layers) if n.endswith("_lora_a")} == {"q_a", "q_b", "kv_a", "kv_b", "o"}
+    tokens = np.random.default_rng(7).integers(0, 97, (2, 20)).astype(np.int32)
+    ours = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    without = hf_logits(base, tokens)  # before PEFT wraps the base's modules in place
+    save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    theirs = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), tokens)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4 * np.abs(theirs).max())
+    assert np.abs(theirs - without).max() > 1e-2  # the adapters act
+    save_model(model, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(ours, hf_logits(merged, tokens), atol=1e-4 * np.abs(theirs).max())
