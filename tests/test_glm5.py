@@ -203,3 +203,30 @@ def test_peft_loads_our_adapters_on_mla_and_the_merged_export_is_the_same_model(
     save_model(model, tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(ours, hf_logits(merged, tokens), atol=1e-4 * np.abs(theirs).max())
+
+
+def test_queries_in_chunks_attend_as_all_at_once():
+    """A long sequence's queries attend (and choose their top-k) a chunk at a time, the last one
+    padded: the output and the choices are those of all queries at once (`mla_attention`,
+    `indexer_topk`, from a NumPy top-k)."""
+    from opd_jax.models.mla import chunked_attention, index_scores, indexer_topk, mla_attention
+
+    rng = np.random.default_rng(8)
+    B, T, n, r, d, nI, dI, k = 2, 23, 3, 8, 4, 5, 6, 4
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    q_latent, q_rope, latent, k_rope = f(B, T, n, r), f(B, T, n, d), f(B, T, r), f(B, T, d)
+    q_index, weights, keys = f(B, T, nI, dI), f(B, T, nI), f(B, T, dI)
+    allowed = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+    out, topk = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, indexer=(q_index, weights, keys, k),
+                                  chunk=5)
+    scores = np.asarray(index_scores(q_index, keys, weights))
+    want = indexer_topk(jnp.asarray(scores), allowed, k)
+    ranked = np.argsort(-np.where(np.asarray(allowed), scores, -np.inf), axis=-1, kind="stable")[..., :k]
+    np.testing.assert_array_equal(np.sort(np.asarray(want)[:, k:], -1), np.sort(ranked[:, k:], -1))
+    np.testing.assert_array_equal(np.asarray(topk), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(mla_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3,
+                                                                         want)), atol=1e-6)
+    dense, none = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, chunk=5)
+    assert none is None
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(mla_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3)),
+                               atol=1e-6)

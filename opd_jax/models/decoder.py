@@ -25,7 +25,7 @@ from flax import nnx
 
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
-from opd_jax.models.mla import LATENT_NORM_EPS, index_scores, indexer_topk, layer_norm, mla_attention, rope_interleaved
+from opd_jax.models.mla import LATENT_NORM_EPS, chunked_attention, layer_norm, rope_interleaved
 from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -325,21 +325,16 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
     return x + out, cache_kv
 
 
-def _indexer(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, q_c: jax.Array, positions: jax.Array,
-             inv_freq: jax.Array, allowed: jax.Array, keys: jax.Array | None = None) -> jax.Array:
-    """DSA's top-k key slots [B, T, k] for the queries of h [B, T, hidden] (q_c: their low-rank
-    query), one full layer's indexer weights `w` ("index_*"), over their own keys or, decoding,
-    the cache's index `keys` [B, S, d_I] (this step's already written in)."""
-    dsa, rope = config.dsa, config.mla.qk_rope_head_dim
-
-    def turned(x):  # RoPE on the first qk_rope_head_dim dimensions
-        return jnp.concatenate([rope_interleaved(x[..., :rope], positions, inv_freq), x[..., rope:]], axis=-1)
-
-    q = turned(jnp.einsum("btr,rjd->btjd", q_c, w["index_q"]))
-    if keys is None:
-        keys = index_keys(config, w, h, positions, inv_freq)
-    weights = jnp.einsum("bth,hj->btj", h, w["index_weights"]).astype(jnp.float32) * dsa.index_n_heads ** -0.5
-    return indexer_topk(index_scores(q, keys, weights), allowed, dsa.index_topk)
+def _index_queries(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, q_c: jax.Array,
+                   positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """DSA's indexer queries q^I [B, T, n_I, d_I] (RoPE on the first qk_rope_head_dim) and head
+    weights w [B, T, n_I] (already / √n_I) for h [B, T, hidden] and its low-rank query q_c, from
+    one full layer's indexer weights `w` ("index_*")."""
+    rope = config.mla.qk_rope_head_dim
+    q = jnp.einsum("btr,rjd->btjd", q_c, w["index_q"])
+    q = jnp.concatenate([rope_interleaved(q[..., :rope], positions, inv_freq), q[..., rope:]], axis=-1)
+    weights = jnp.einsum("bth,hj->btj", h, w["index_weights"]).astype(jnp.float32) * config.dsa.index_n_heads ** -0.5
+    return q, weights
 
 
 def index_keys(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
@@ -380,12 +375,16 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
                                 layer, write_at)
         stored, keys = _read_cache(cache_kv, layer, x.dtype)
         latent, k_rope, keys = stored[:, :, 0, :m.kv_lora_rank], stored[:, :, 0, m.kv_lora_rank:], keys[:, :, 0]
+    indexer = None
     if index_w is not None and config.dsa.index_topk < allowed.shape[-1]:
-        topk = _indexer(config, index_w, h, q_c, positions, inv_freq, allowed, keys)
+        if keys is None:
+            keys = index_keys(config, index_w, h, positions, inv_freq)
+        indexer = (*_index_queries(config, index_w, h, q_c, positions, inv_freq), keys, config.dsa.index_topk)
     kv_b = merge_adapters({k: v for k, v in w.items() if base_name(k) == "kv_b"}, lora.scale)["kv_b"]
     w_uk, w_uv = kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
     q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk)
-    out = mla_attention(q_latent, q_rope, latent, k_rope, allowed, m.qk_head_dim ** -0.5, topk)
+    out, topk = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, m.qk_head_dim ** -0.5,
+                                  None if indexer else topk, indexer)
     values = jnp.einsum("btnr,rnv->btnv", out, w_uv)
     return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk
 

@@ -146,3 +146,41 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     scores = jnp.where(keep[:, :, None, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
     return jnp.einsum("btnk,btkr->btnr", probs, chosen_latent)
+
+
+QUERY_CHUNK = 512  # queries attended together: a chunk's scores are [chunk, keys], not [T, keys]
+
+
+def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                      allowed: jax.Array, scale: float, topk: jax.Array | None = None,
+                      indexer: tuple[jax.Array, jax.Array, jax.Array, int] | None = None,
+                      chunk: int = QUERY_CHUNK) -> tuple[jax.Array, jax.Array | None]:
+    """`mla_attention` over the queries `chunk` at a time, so the scores (and the indexer's) of a
+    long sequence take O(chunk · S) memory instead of O(T · S); returns (output [B, T, n, r], the
+    top-k used or None). indexer = (q^I [B, T, n_I, d_I], weights [B, T, n_I], keys [B, S, d_I],
+    k): each chunk's top-k is its own indexer's choice (`index_scores`, `indexer_topk`); else
+    `topk` [B, T, k] (a shared layer's) or None (every key)."""
+    length = q_latent.shape[1]
+
+    def one(per_query):
+        q_latent, q_rope, allowed, topk, q_index, weights = per_query
+        if q_index is not None:
+            topk = indexer_topk(index_scores(q_index, indexer[2], weights), allowed, indexer[3])
+        return mla_attention(q_latent, q_rope, latent, k_rope, allowed, scale, topk), topk
+
+    per_query = (q_latent, q_rope, allowed, topk, *((indexer[0], indexer[1]) if indexer else (None, None)))
+    if length <= chunk:
+        return one(per_query)
+    n = -(-length // chunk)
+    pad = n * chunk - length  # padded queries attend nowhere (allowed False) and are dropped after
+
+    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
+
+    def join(y):  # [n, B, chunk, ...] -> [B, T, ...]
+        y = jnp.moveaxis(y, 0, 1)
+        return y.reshape(y.shape[0], n * chunk, *y.shape[3:])[:, :length]
+
+    out, used = jax.lax.map(one, jax.tree.map(split, per_query))
+    return join(out), None if used is None else join(used)
