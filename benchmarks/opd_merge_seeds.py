@@ -24,9 +24,11 @@ def aggregate(reports: dict[str, dict]) -> dict:
     for d in domains:
         rows = [r["domains"][d] for r in reports.values()]
         table[d] = {c: interval([row[c] for row in rows]) for c in COLUMNS if all(c in row for row in rows)}
-        ratios = [r["student_over_expert"][d] for r in reports.values()]
+        # no ratio where the expert scores 0 (the report leaves it out): that seed neither keeps nor loses it
+        ratios = [r["student_over_expert"][d] for r in reports.values() if r["student_over_expert"][d] is not None]
         table[d]["student_over_expert"] = interval(ratios)
         table[d]["seeds_kept"] = sum(x >= KEEP for x in ratios)
+        table[d]["seeds_with_ratio"] = len(ratios)
     means = {c: interval([r["mean"][c] for r in reports.values()]) for c in COLUMNS}
     walls = [r["recipe_wall_time_s"]["total"] for r in reports.values()]
     return {"runs": list(reports), "seeds": len(reports), "domains": table, "mean": means,
@@ -40,7 +42,8 @@ def markdown(result: dict) -> str:
              "| --- |" + " ---: |" * 7]
     for d, row in result["domains"].items():
         lines.append(f"| {d} | " + " | ".join(ci(row[c]) if c in row else "" for c in COLUMNS)
-                     + f" | {ci(row['student_over_expert'])} | {row['seeds_kept']}/{result['seeds']} |")
+                     + f" | {ci(row['student_over_expert']) if row['seeds_with_ratio'] else '–'} | "
+                     f"{row['seeds_kept']}/{row['seeds_with_ratio']} |")
     lines.append("| **mean** | " + " | ".join(f"**{ci(result['mean'][c])}**" for c in COLUMNS) + " | | |")
     return "\n".join(lines)
 
