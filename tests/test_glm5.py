@@ -207,8 +207,8 @@ def test_peft_loads_our_adapters_on_mla_and_the_merged_export_is_the_same_model(
 
 def test_queries_in_chunks_attend_as_all_at_once():
     """A long sequence's queries attend (and choose their top-k) a chunk at a time, the last one
-    padded: the output and the choices are those of all queries at once (`mla_attention`,
-    `indexer_topk`, from a NumPy top-k)."""
+    padded: the output, the choices (`indexer_topk`, against a NumPy top-k) and the gradients are
+    those of all queries at once (`mla_attention`)."""
     from opd_jax.models.mla import chunked_attention, index_scores, indexer_topk, mla_attention
 
     rng = np.random.default_rng(8)
@@ -226,6 +226,12 @@ def test_queries_in_chunks_attend_as_all_at_once():
     np.testing.assert_array_equal(np.asarray(topk), np.asarray(want))
     np.testing.assert_allclose(np.asarray(out), np.asarray(mla_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3,
                                                                          want)), atol=1e-6)
+    # and their gradients (a long sequence in training): the latents' and queries' through the chunks
+    grads = [jax.grad(lambda ql, lat, c=c: jnp.sum(chunked_attention(ql, q_rope, lat, k_rope, allowed, 0.3, want,
+                                                                    chunk=c)[0] ** 2), argnums=(0, 1))(q_latent, latent)
+             for c in (5, 512)]
+    for chunked, whole in zip(*grads):
+        np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-5)
     dense, none = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, chunk=5)
     assert none is None
     np.testing.assert_allclose(np.asarray(dense), np.asarray(mla_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3)),
