@@ -25,11 +25,9 @@ from flax import nnx
 
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
-from opd_jax.models.mla import LATENT_NORM_EPS, chunked_attention, layer_norm, rope_interleaved
+from opd_jax.models.mla import LATENT_NORM_EPS, MASKED, chunked_attention, layer_norm, rope_interleaved, rope_prefix
 from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
-
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
 
 
 @flax.struct.dataclass
@@ -208,7 +206,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> 
     kv = k.shape[2]
     qg = q.reshape(B, T, kv, n // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    scores = jnp.where(allowed[:, None, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(B, T, n, d)
@@ -330,9 +328,7 @@ def _index_queries(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, q
     """DSA's indexer queries q^I [B, T, n_I, d_I] (RoPE on the first qk_rope_head_dim) and head
     weights w [B, T, n_I] (already / √n_I) for h [B, T, hidden] and its low-rank query q_c, from
     one full layer's indexer weights `w` ("index_*")."""
-    rope = config.mla.qk_rope_head_dim
-    q = jnp.einsum("btr,rjd->btjd", q_c, w["index_q"])
-    q = jnp.concatenate([rope_interleaved(q[..., :rope], positions, inv_freq), q[..., rope:]], axis=-1)
+    q = rope_prefix(jnp.einsum("btr,rjd->btjd", q_c, w["index_q"]), config.mla.qk_rope_head_dim, positions, inv_freq)
     weights = jnp.einsum("bth,hj->btj", h, w["index_weights"]).astype(jnp.float32) * config.dsa.index_n_heads ** -0.5
     return q, weights
 
@@ -340,9 +336,8 @@ def _index_queries(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, q
 def index_keys(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
                inv_freq: jax.Array) -> jax.Array:
     """The indexer's keys [B, T, d_I] of h: LayerNorm(h·W_k), RoPE on the first qk_rope_head_dim."""
-    rope = config.mla.qk_rope_head_dim
     k = layer_norm(jnp.einsum("bth,hd->btd", h, w["index_k"]), w["index_k_norm"], w["index_k_norm_bias"])
-    return jnp.concatenate([rope_interleaved(k[..., :rope], positions, inv_freq), k[..., rope:]], axis=-1)
+    return rope_prefix(k, config.mla.qk_rope_head_dim, positions, inv_freq)
 
 
 def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_w: dict[str, jax.Array] | None,
@@ -368,7 +363,8 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
     k_rope = rope_interleaved(compressed[..., m.kv_lora_rank:], positions, inv_freq)
     keys = None
     if cache_kv is not None:
-        # a shared layer keeps no indexer keys: its v stays zero
+        # an indexer layer caches its keys whatever this call's top-k: a stored prefix may serve a longer
+        # cache, where the top-k leaves keys out; a shared layer keeps none (its v stays zero)
         own_keys = (index_keys(config, index_w, h, positions, inv_freq) if index_w is not None
                     else jnp.zeros(x.shape[:2] + (config.dsa.index_head_dim,), x.dtype))
         cache_kv = _write_cache(cache_kv, (jnp.concatenate([latent, k_rope], -1)[:, :, None], own_keys[:, :, None]),

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 # the latents' RMSNorms (q_a_layernorm, kv_a_layernorm) take no eps from config.json: theirs is fixed
 LATENT_NORM_EPS = 1e-6
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # as the decoder's: a fully masked row stays finite
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,12 @@ def rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) ->
     return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
 
 
+def rope_prefix(x: jax.Array, width: int, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x with `rope_interleaved` on its first `width` dimensions, the rest passed through (DSA's
+    indexer queries and keys)."""
+    return jnp.concatenate([rope_interleaved(x[..., :width], positions, inv_freq), x[..., width:]], axis=-1)
+
+
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
     """(x − mean) / sqrt(var + eps) · weight + bias over the last axis, in float32."""
     xf = x.astype(jnp.float32)
@@ -135,7 +141,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     if topk is None:
         scores = (jnp.einsum("btnr,bsr->btns", q_latent, latent, preferred_element_type=f32)
                   + jnp.einsum("btnd,bsd->btns", q_rope, k_rope, preferred_element_type=f32)) * scale
-        scores = jnp.where(allowed[:, :, None, :], scores, _MASKED)
+        scores = jnp.where(allowed[:, :, None, :], scores, MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
         return jnp.einsum("btns,bsr->btnr", probs, latent)
     take = jax.vmap(lambda values, index: values[index])  # per row: [S, ...] at [T, k] -> [T, k, ...]
@@ -143,7 +149,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     keep = jnp.take_along_axis(allowed, topk, axis=-1)  # [B, T, k]
     scores = (jnp.einsum("btnr,btkr->btnk", q_latent, chosen_latent, preferred_element_type=f32)
               + jnp.einsum("btnd,btkd->btnk", q_rope, chosen_rope, preferred_element_type=f32)) * scale
-    scores = jnp.where(keep[:, :, None, :], scores, _MASKED)
+    scores = jnp.where(keep[:, :, None, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
     return jnp.einsum("btnk,btkr->btnr", probs, chosen_latent)
 
