@@ -162,5 +162,6 @@ def test_the_fresh_model_sections_name_only_fields_of_the_model_dataclasses():
     assert (glm5.head_dim, glm5.num_kv_heads) == (8, 4)
     built = fresh_model_config(FreshModel(**glm5.model_dump()))  # as a saved config.yaml reloads
     assert built.mla.qk_rope_head_dim == built.head_dim == 8 and built.dsa.indexer_types == ("full", "shared")
-    with pytest.raises(ValueError, match="model.fresh.head_dim is 8 for glm_moe_dsa"):
+    with pytest.raises(ValueError, match=r"model.fresh.head_dim is 32, but glm_moe_dsa takes it from "
+                                         r"model.fresh.mla.qk_rope_head_dim \(8\): leave head_dim out or set it to 8"):
         FreshModel(**{**glm5.model_dump(), "head_dim": 32})

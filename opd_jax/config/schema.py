@@ -126,9 +126,9 @@ class FreshModel(Section):
         if mla:  # MLA gives every head its own key and value, and RoPE turns only the rotary part
             for name, value in (("head_dim", self.mla.qk_rope_head_dim), ("num_kv_heads", self.num_heads)):
                 if name in self.model_fields_set and getattr(self, name) != value:
-                    raise ValueError(f"model.fresh.{name} is {value} for {self.family} "
-                                     f"({'mla.qk_rope_head_dim' if name == 'head_dim' else 'num_heads'}); "
-                                     f"leave it out")
+                    source = "mla.qk_rope_head_dim" if name == "head_dim" else "num_heads"
+                    raise ValueError(f"model.fresh.{name} is {getattr(self, name)}, but {self.family} takes it from "
+                                     f"model.fresh.{source} ({value}): leave {name} out or set it to {value}")
                 self.__dict__[name] = value  # what the model has, so a run's config.yaml says it
         return self
 
