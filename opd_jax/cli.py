@@ -350,6 +350,8 @@ def sweep(
     jobs: Annotated[int, typer.Option(help="Runs at a time (each its own process).")] = 1,
     out: Annotated[Optional[Path], typer.Option(help="Where the runs and results go (default: the sweep's out).")] = None,
     aggregate_only: Annotated[bool, typer.Option(help="Only aggregate the runs that finished.")] = False,
+    in_process: Annotated[bool, typer.Option(help="Run one run at a time in this process: quicker for many short "
+                                             "runs (no start-up per run); a crash ends the sweep (run it again).")] = False,
 ) -> None:
     """Run every cell of a sweep with every seed (resuming what an earlier sweep left), then
     aggregate: sweep.json, sweep.md (means with confidence intervals, paired comparisons,
@@ -361,7 +363,7 @@ def sweep(
     if aggregate_only:
         aggregate_existing(loaded)
     else:
-        run_sweep(loaded, jobs, echo=typer.echo)
+        run_sweep(loaded, jobs, echo=typer.echo, in_process=in_process)
     typer.echo((loaded.out / "sweep.md").read_text())
     typer.echo(f"sweep written to {loaded.out}")
 

@@ -189,7 +189,8 @@ def test_a_bad_sweep_is_refused_before_any_run(tmp_path, spec, message):
 
 def test_one_sweep_at_a_time_in_a_directory_and_nothing_to_aggregate_is_said(tmp_path):
     """A second `opd-jax sweep` into the directory of a running one is refused naming it (it would
-    race the first for the same runs); --aggregate-only on a directory without runs creates nothing."""
+    race the first for the same runs); --aggregate-only on a directory without runs creates nothing;
+    --in-process with more than one job at a time is refused."""
     from typer.testing import CliRunner
 
     from opd_jax.cli import app
@@ -207,6 +208,10 @@ def test_one_sweep_at_a_time_in_a_directory_and_nothing_to_aggregate_is_said(tmp
     result = cli("--out", tmp_path / "missing", "--aggregate-only")
     assert result.exit_code == 2 and "does not exist: nothing to aggregate" in result.output, result.output
     assert not (tmp_path / "missing").exists()
+    result = cli("--out", tmp_path / "here", "--in-process", "--jobs", "2")
+    assert result.exit_code == 2 and result.output.startswith("error: --in-process runs one run at a time, in this "
+                                                              "process: drop --jobs 2"), result.output
+    assert not (tmp_path / "here").exists()
 
 
 SMALL = ["steps=3", "sft.steps=0", "checkpoint.every=1", "logging.eval_every=3", "data.eval_prompts_per_domain=8",
@@ -217,12 +222,14 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     """One cell, three seeds, one run at a time: interrupted (SIGINT to the sweep and its run) once
     the second seed's run has a checkpoint: the third, still queued, never starts. Run again: the
     first seed's run is kept as it was (one attempt), the second resumes from its checkpoint, the
-    third runs, and sweep.json equals that of an uninterrupted sweep of the same file."""
+    third runs, and sweep.json equals that of an uninterrupted sweep of the same file, run in this
+    process (`in_process`): the same command there gives the same runs as in its own process."""
     path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=3,
                        overrides=dict(item.split("=", 1) for item in SMALL), metrics=["policy/entropy"])
     monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # every run: one device
     env = dict(os.environ)
-    whole = run_sweep(Sweep(path, tmp_path / "whole"), echo=lambda _: None)
+    whole = run_sweep(Sweep(path, tmp_path / "whole"), echo=lambda _: None, in_process=True)
+    assert "opd-jax train: new run in" in (tmp_path / "whole" / "a" / "seed0.log").read_text()  # its output: in its log
     part = tmp_path / "part"
     process = subprocess.Popen([sys.executable, "-m", "opd_jax.cli", "sweep", str(path), "--out", str(part)],
                                env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

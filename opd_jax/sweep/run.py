@@ -1,5 +1,7 @@
 """`opd-jax sweep`: every cell × seed of a sweep as its own `opd-jax train` (or `opd-jax merge`)
 process, several at a time, each in its own run directory (<out>/<cell>/seed<k>), then the aggregate.
+With `--in-process` the same commands run one after another in the sweep's own process instead:
+for many short runs, whose start (imports, the first compiles) is most of their time.
 
 Resumable: a run whose run.json says finished is kept as it is; one with checkpoints continues
 from the last (`--resume`); anything else starts over. With `warm_start: shared` each distinct
@@ -17,8 +19,10 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,6 +195,27 @@ def _execute(command: list[str], run_dir: Path, cache: Path) -> int:
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
 
 
+def _execute_here(command: list[str], run_dir: Path) -> int:
+    """Run one `opd-jax` command line in this process (the command's own code, as its process would
+    run it), its output appended to <run_dir>.log; its exit status. Programs compiled by one run are
+    found in memory by the next. A stop it was asked for (SIGINT, SIGTERM: the run checkpoints at a
+    step boundary, as alone) stops the sweep too: KeyboardInterrupt."""
+    from opd_jax.cli import app  # the command line's entry, not the loop under it
+
+    log = run_dir.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            status = app(command[3:], standalone_mode=False)  # command[:3]: python -m opd_jax.cli
+        except Exception:  # a bug: its traceback in the log, as its process would have left it; the others go on
+            traceback.print_exc()
+            status = 1
+    status = status if isinstance(status, int) else 0
+    if status in (130, 128 + signal.SIGTERM):
+        raise KeyboardInterrupt
+    return status
+
+
 def _trained_steps(run_dir: Path) -> int:
     """The steps a run's config asked of it (its last attempt's config.yaml)."""
     try:
@@ -232,17 +257,20 @@ def aggregate_only(sweep: Sweep) -> dict[str, Any]:
         return aggregate(sweep)
 
 
-def run_sweep(sweep: Sweep, jobs: int = 1, echo=print) -> dict[str, Any]:
-    """Run what is not finished, `jobs` at a time, then aggregate (`aggregate`); SweepError
-    naming the runs that failed, after the aggregate of the others is written. The sweep's
-    directory is locked meanwhile (`claimed`)."""
+def run_sweep(sweep: Sweep, jobs: int = 1, echo=print, in_process: bool = False) -> dict[str, Any]:
+    """Run what is not finished, `jobs` at a time (each its own process) or, `in_process`, one
+    after another in this one (`_execute_here`), then aggregate (`aggregate`); SweepError naming
+    the runs that failed, after the aggregate of the others is written. The sweep's directory is
+    locked meanwhile (`claimed`)."""
     if jobs < 1:
         raise SweepError(f"--jobs must be >= 1, got {jobs}")
+    if in_process and jobs > 1:
+        raise SweepError(f"--in-process runs one run at a time, in this process: drop --jobs {jobs} (or --in-process)")
     with claimed(sweep):
-        return _run_sweep(sweep, jobs, echo)
+        return _run_sweep(sweep, jobs, echo, in_process)
 
 
-def _run_sweep(sweep: Sweep, jobs: int, echo) -> dict[str, Any]:
+def _run_sweep(sweep: Sweep, jobs: int, echo, in_process: bool) -> dict[str, Any]:
     todo = [(cell, overrides, seed, command) for cell, overrides in sweep.cells for seed in sweep.config.seed_list
             if (command := sweep.command(cell, overrides, seed)) is not None]
     total = len(sweep.cells) * len(sweep.config.seed_list)
@@ -252,8 +280,15 @@ def _run_sweep(sweep: Sweep, jobs: int, echo) -> dict[str, Any]:
     warm = sweep.warm_start_commands([(cell, seed) for cell, _, seed, _ in todo])
     if warm:
         echo(f"  {len(warm)} shared warm start(s) first")
+    def execute(command: list[str], run_dir: Path) -> int:
+        return _execute_here(command, run_dir) if in_process else _execute(command, run_dir, sweep.cache)
+
+    def each(pool: concurrent.futures.ThreadPoolExecutor, fn, items) -> Iterator:
+        # in-process runs stay in the main thread, the only one where a run's signal handling works
+        return map(fn, items) if in_process else pool.map(fn, items)
+
     with _pool(jobs) as pool:
-        statuses = pool.map(lambda where: _execute(warm[where], where, sweep.cache), warm)
+        statuses = each(pool, lambda where: execute(warm[where], where), warm)
         for where, status in zip(warm, statuses):
             if status != 0:
                 failed.append(f"warm start {where.name} ({where.with_suffix('.log')})")
@@ -264,10 +299,10 @@ def _run_sweep(sweep: Sweep, jobs: int, echo) -> dict[str, Any]:
 
     def launch(item) -> tuple[str, int, int]:
         cell, _, seed, command = item
-        return cell, seed, _execute(command, sweep.run_dir(cell, seed), sweep.cache)
+        return cell, seed, execute(command, sweep.run_dir(cell, seed))
 
     with _pool(jobs) as pool:
-        for cell, seed, status in pool.map(launch, todo):
+        for cell, seed, status in each(pool, launch, todo):
             echo(f"  {cell} seed {seed}: {'finished' if status == 0 else f'failed (exit {status})'}")
             if status != 0:
                 failed.append(f"{cell} seed {seed} ({sweep.run_dir(cell, seed).with_suffix('.log')})")
