@@ -48,6 +48,9 @@ class Rollout:
     # MoE engines: the expert ids of every prompt and output token, [tokens, MoE layers, k]
     # (SGLang's return_routed_experts; the embedded engine records them), for routing replay
     routed_experts: Any = dataclasses.field(default=None, compare=False)
+    # DSA engines (GLM-5): the keys each indexer layer chose for every prompt and output token, as
+    # offsets back from the token, [tokens, indexer layers, index_topk] (-1: none), for index replay
+    index_offsets: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):

@@ -1,9 +1,11 @@
 """GLM-5's architecture (MLA with DSA's indexer shared across layers) beyond parity with
 transformers (test_model_parity holds the glm_moe_dsa checkpoint): the sparsity matters, no
 gradient goes through the indexer's choice, the compressed cache decodes as the full forward does,
-and the embedded engine's log-probs are the trainer's."""
+the embedded engine's log-probs are the trainer's, and index replay makes them so where the
+engine's indexers chose other keys."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -209,7 +211,7 @@ def test_queries_in_chunks_attend_as_all_at_once():
     """A long sequence's queries attend (and choose their top-k) a chunk at a time, the last one
     padded: the output, the choices (`indexer_topk`, against a NumPy top-k) and the gradients are
     those of all queries at once (`mla_attention`)."""
-    from opd_jax.models.mla import chunked_attention, index_scores, indexer_topk, mla_attention
+    from opd_jax.models.mla import chunked_attention, chunked_topk, index_scores, indexer_topk, mla_attention
 
     rng = np.random.default_rng(8)
     B, T, n, r, d, nI, dI, k = 2, 23, 3, 8, 4, 5, 6, 4
@@ -217,8 +219,8 @@ def test_queries_in_chunks_attend_as_all_at_once():
     q_latent, q_rope, latent, k_rope = f(B, T, n, r), f(B, T, n, d), f(B, T, r), f(B, T, d)
     q_index, weights, keys = f(B, T, nI, dI), f(B, T, nI), f(B, T, dI)
     allowed = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
-    out, topk = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, indexer=(q_index, weights, keys, k),
-                                  chunk=5)
+    topk = chunked_topk(q_index, weights, keys, allowed, k, chunk=5)
+    out = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, topk, chunk=5)
     scores = np.asarray(index_scores(q_index, keys, weights))
     want = indexer_topk(jnp.asarray(scores), allowed, k)
     ranked = np.argsort(-np.where(np.asarray(allowed), scores, -np.inf), axis=-1, kind="stable")[..., :k]
@@ -228,11 +230,106 @@ def test_queries_in_chunks_attend_as_all_at_once():
                                                                          want)), atol=1e-6)
     # and their gradients (a long sequence in training): the latents' and queries' through the chunks
     grads = [jax.grad(lambda ql, lat, c=c: jnp.sum(chunked_attention(ql, q_rope, lat, k_rope, allowed, 0.3, want,
-                                                                    chunk=c)[0] ** 2), argnums=(0, 1))(q_latent, latent)
+                                                                    chunk=c) ** 2), argnums=(0, 1))(q_latent, latent)
              for c in (5, 512)]
     for chunked, whole in zip(*grads):
         np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-5)
-    dense, none = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, chunk=5)
-    assert none is None
+    dense = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3, chunk=5)
     np.testing.assert_allclose(np.asarray(dense), np.asarray(mla_attention(q_latent, q_rope, latent, k_rope, allowed, 0.3)),
                                atol=1e-6)
+
+
+def numpy_flips(own: np.ndarray, engine: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Per indexer layer, of the valid tokens with an engine record, the share whose set of key
+    offsets differs from this model's own (own, engine: [B, T, layers, k])."""
+    flips = []
+    for layer in range(own.shape[2]):
+        rows = [(b, t) for b, t in zip(*np.nonzero(valid)) if engine[b, t, layer, 0] >= 0]
+        differ = [set(own[b, t, layer]) != set(engine[b, t, layer]) for b, t in rows]
+        flips.append(np.mean(differ) if rows else 0.0)
+    return np.asarray(flips)
+
+
+@pytest.mark.parametrize("slots,pack", [(None, False), (3, True)])
+def test_index_replay_attends_the_engines_keys(model, slots, pack):
+    """An engine whose indexers differ from the trainer's (their weights perturbed, every other
+    weight the same: the engine attends other keys) records, per prompt and output token and full
+    indexer layer, the keys it attended as offsets back (-1: none). Without index replay the
+    trainer attends its own keys: its log-probs are not the engine's, and its flip fraction per
+    layer is NumPy's count of differing key sets; with `index_replay` it attends the engine's and
+    its log-probs are the engine's (f32, 1e-5), in padded rows (static engine) and packed rows
+    (continuous batching)."""
+    from opd_jax.core.forward import sequence_logprobs
+    from opd_jax.core.packing import pack_batch
+    from opd_jax.envs import Trajectory
+    from opd_jax.train.batching import trajectories_to_batch
+
+    engine = Decoder(GLM5, rngs=nnx.Rngs(0))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    layers, rng = pure["backbone"]["layers"], np.random.default_rng(9)
+    for name in [n for n in layers if n.startswith("index_") and not n.endswith(("norm", "bias"))]:
+        layers[name] = layers[name] + rng.normal(size=layers[name].shape).astype(np.float32) * np.std(layers[name])
+    nnx.update(engine, pure)
+    prompts = [list(rng.integers(0, GLM5.vocab_size, n)) for n in (3, 11, 7, 9)]
+    rollouts = Sampler(engine, max_cache_len=64, slots=slots).generate(
+        prompts, SamplingParams(max_new_tokens=14, temperature=1.0), jax.random.key(3))
+    for r in rollouts:
+        offsets = np.asarray(r.index_offsets)
+        n = len(r.prompt_ids) + len(r.output_ids)
+        assert offsets.shape == (n, 2, 4) and np.asarray(r.routed_experts).shape == (n, 2, 2)
+        position = np.arange(n)[:, None, None]
+        assert np.all((offsets >= -1) & (offsets <= position)) and np.all(offsets[..., 0] >= 0)
+        assert np.all((offsets >= 0).sum(-1) == np.minimum(position[..., 0] + 1, 4))  # every key while < k
+    batch = trajectories_to_batch([Trajectory.single_turn(r, 0.0) for r in rollouts], pad_id=0)
+    assert batch.indices.shape == (*batch.tokens.shape, 2, 4)
+    if pack:
+        batch = pack_batch(batch, groups=1, row_len=64)
+    graphdef, params = nnx.split(model)
+    score = jax.jit(lambda params, batch, replay: sequence_logprobs(graphdef, params, batch, with_router=True,
+                                                                    index_replay=replay), static_argnums=2)
+    mask = np.asarray(batch.response_mask) > 0
+    engine_logp = np.asarray(batch.logp_infer)[mask]
+    own, _, info = score(params, batch, False)
+    assert np.abs(np.asarray(own)[mask] - engine_logp).max() > 1e-2
+    valid = np.asarray(batch.attention_mask) > 0
+    flips = numpy_flips(np.asarray(info.index_offsets), np.asarray(batch.indices), valid)
+    np.testing.assert_allclose(np.asarray(info.index_flips), flips, atol=1e-6)
+    assert flips.min() > 0.05, flips
+    replayed, _, info = score(params, batch, True)
+    np.testing.assert_allclose(np.asarray(replayed)[mask], engine_logp, atol=1e-5)
+    # its own choice is still measured (the first layer's as before; the second's on the replayed states)
+    again = numpy_flips(np.asarray(info.index_offsets), np.asarray(batch.indices), valid)
+    np.testing.assert_allclose(np.asarray(info.index_flips), again, atol=1e-6)
+    assert again[0] == pytest.approx(flips[0])
+
+
+def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine_does_its_own_way(tmp_path):
+    """A GLM-5-shaped policy trained by PPO (critic, sharded over 8 devices) from a bf16 engine
+    with index replay and routing replay: the steps measure how many key sets the trainer would
+    have chosen otherwise (policy/dsa/flip_frac, per indexer layer) and the run's record of the
+    engine lists neither the keys nor the routing as differing (without index replay it lists the
+    keys). index_replay on a model without DSA is one line naming it."""
+    from types import SimpleNamespace
+
+    from train_loop_settings import GLM5 as FRESH
+    from train_loop_settings import TINY
+
+    from opd_jax.config import ConfigError, load_config
+    from opd_jax.train import read_metrics, train
+    from opd_jax.train.rollouts import RolloutSession
+
+    config = load_config(None, [*TINY, *FRESH, "steps=2", "sft.steps=1", "rollout.dtype=bfloat16",
+                                "algorithm.ppo.routing_replay=r3", "algorithm.ppo.index_replay=true",
+                                "logging.eval_every=2", "checkpoint.every=2", f"logging.run_dir={tmp_path / 'run'}"])
+    done = train(config)
+    rows = [r for r in read_metrics(done / "metrics.jsonl") if "policy/dsa/flip_frac" in r]
+    assert len(rows) == 2 and all(0 <= r["policy/dsa/flip_frac"] <= 1 for r in rows)
+    assert {"policy/dsa/indexer0/flip_frac", "policy/dsa/indexer1/flip_frac"} <= set(rows[0])
+    differs = json.loads((done / "run.json").read_text())["attempts"][-1]["engine"]["differs_in"]
+    assert "routing" not in differs and "indices" not in differs and differs["precision"], differs
+    session = SimpleNamespace(rollout=config.rollout, policy_config=GLM5, engine=SimpleNamespace(logprob_convention=""))
+    own = RolloutSession.mismatch_sources(session, "float32", replays_routing=True, replays_indices=False)
+    assert own["differs_in"]["indices"] == "the engine's own keys (DSA)"
+    with pytest.raises(ConfigError, match=r"algorithm.ppo.index_replay: the policy \(llama\) has no DSA indexer"):
+        train(load_config(None, [*TINY, "steps=1", "algorithm.ppo.index_replay=true",
+                                 f"logging.run_dir={tmp_path / 'llama'}"]))

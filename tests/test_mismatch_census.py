@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 from test_cli_errors import assert_user_error, run_cli
-from train_loop_settings import TINY
+from train_loop_settings import GLM5, TINY
 
 SAMPLES, SEEDS = 12, (0, 1)
 CLIP = (0.8, 1.28)
@@ -155,3 +155,29 @@ def test_the_census_measures_the_policy_its_run_trained(tmp_path):
     measured, said = census_model(config)
     assert measured.model.path == str(tmp_path / "hf_policy") and measured.model.fresh is None
     assert said.startswith(f"measuring the policy the run trained, {tmp_path / 'hf_policy'}")
+
+
+def test_a_glm5_census_counts_index_flips_and_the_mismatch_with_and_without_index_replay(tmp_path):
+    """A bf16 engine against the f32 trainer on a GLM-5-shaped model: the census scores every
+    token attending the trainer's own keys and the engine's (index replay). From the dump, NumPy
+    recomputes the index-flip fraction (overall, per indexer layer, by position: the share of
+    (token, indexer layer) pairs whose key sets differ) and |Δlogp| both ways; the report shows them."""
+    out = tmp_path / "census"
+    result = run_cli("mismatch", *TINY, *GLM5, "rollout.max_new_tokens=8", "census.samples=8", "census.seeds=[0]",
+                     "census.position_bins=2", "census.engines={bf16: {dtype: bfloat16}}", "--out", out, "--dump")
+    assert result.exit_code == 0, result.output
+    assert "index flips" in result.output
+    got = json.loads((out / "mismatch.json").read_text())["engines"]["bf16"]["seeds"]["0"]["index"]
+    dump = np.load(out / "tokens" / "bf16_seed0.npz")
+    own, engine = dump["index_own"], dump["index_engine"]
+    assert own.shape == engine.shape == (dump["trainer"].size, 2, 4)
+    flipped = np.array([[set(a) != set(b) for a, b in zip(x, y)] for x, y in zip(own, engine)])
+    np.testing.assert_allclose(got["flip_frac"], flipped.mean(), rtol=1e-9)
+    np.testing.assert_allclose(got["flip_frac per layer"], flipped.mean(0), rtol=1e-9)
+    early = dump["position"] < 4  # positions 0-3 of 8: the first of the two position bins
+    np.testing.assert_allclose(got["by_position"][0]["flip_frac"], flipped[early].mean(), rtol=1e-9)
+    for keys, scored in (("own keys", dump["own_keys"]), ("engine's keys", dump["engine_keys"])):
+        d = scored.astype(np.float64) - dump["engine"].astype(np.float64)
+        np.testing.assert_allclose(got[keys]["abs_dlogp"], np.abs(d).mean(), rtol=1e-6)
+    np.testing.assert_array_equal(dump["trainer"], dump["own_keys"])  # the config does not replay: its own keys
+    assert "## DSA: the indexers' choices" in (out / "mismatch.md").read_text()

@@ -12,6 +12,14 @@ TINY = [
     "checkpoint.export_hf=false",
 ]
 
+# a GLM-5-shaped policy (MLA, DSA's indexer in layers 0 and 2, shared by 1 and 3, 4 keys per query, MoE)
+GLM5 = ["model.fresh.family=glm_moe_dsa", "model.fresh.num_layers=4", "model.fresh.num_heads=2",
+        "model.fresh.head_dim=8", "model.fresh.num_kv_heads=2",
+        "model.fresh.moe={num_experts: 4, experts_per_token: 2, intermediate_size: 32, dense_layers: [0]}",
+        "model.fresh.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}",
+        "model.fresh.dsa={index_topk: 4, index_head_dim: 16, index_n_heads: 4, "
+        "indexer_types: [full, shared, full, shared]}"]
+
 # a run long enough to kill and resume: checkpoints at steps 2, 4, 6; its policy a mixture of
 # experts (experts sharded over the data axis) trained with routing replay, its engine's weights
 # perturbed so that some tokens are routed differently: an exact resume covers the engine's

@@ -30,7 +30,9 @@ class RolloutBatch:
     Filled by `score_batch` before the step: logp_old (θ_old log-probs) and old_values (critic
     values V(prefix before t)), both [B, T]. logp_ref: [B, T] log-probs under a frozen reference,
     only needed when a KL term is on. routing: int32 [B, T, MoE layers, k], the experts a MoE
-    engine used for each token (-1 where it recorded none), for routing replay.
+    engine used for each token (-1 where it recorded none), for routing replay. indices: int32
+    [B, T, indexer layers, k], the keys a DSA engine attended for each token, as offsets back
+    (`models.mla.key_offsets`; -1: none), for index replay.
     Multi-turn episodes: token_rewards [B, T], each turn's reward on its last model token (without
     it, the outcome reward sits on the last response token); bootstrap [B], 1 for an episode cut
     short (the critic's value of its final state, end_values [B] from `score_batch`, continues
@@ -48,6 +50,7 @@ class RolloutBatch:
     old_values: jax.Array | None = None
     logp_ref: jax.Array | None = None
     routing: jax.Array | None = None
+    indices: jax.Array | None = None
     token_rewards: jax.Array | None = None
     bootstrap: jax.Array | None = None
     end_values: jax.Array | None = None

@@ -40,49 +40,56 @@ def _run(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll:
     if kwargs.get("adapter_ids") is not None:
         raise ValueError("adapter_ids pick an adapter per row: run an unpacked batch (batch.unpacked())")
     valid = batch.attention_mask > 0
-    tokens, positions, segments, routing = pack_tokens(batch.tokens, batch.positions, valid, batch.pack_row,
-                                                       batch.pack_offset, batch.packing, extra=kwargs.get("routing"))
-    if routing is not None:
-        kwargs["routing"] = routing
+    # an engine's records are per token: packed alike (DSA's offsets hold within a segment's columns)
+    recorded = {name: kwargs[name] for name in ("routing", "indices") if kwargs.get(name) is not None}
+    tokens, positions, segments, packed = pack_tokens(batch.tokens, batch.positions, valid, batch.pack_row,
+                                                      batch.pack_offset, batch.packing, extra=recorded)
+    kwargs.update(packed)
     out = model(tokens, positions=positions, attention_mask=segments > 0, segment_ids=segments, unroll=unroll,
                 **kwargs)
     return out, tokens, lambda x: unpack(x, batch.pack_row, batch.pack_offset, valid, batch.packing)
 
 
 def _with_ids(router: RouterInfo | None, back: Callable[[jax.Array], jax.Array]) -> RouterInfo | None:
-    return None if router is None else dataclasses.replace(router, ids=back(router.ids))
+    if router is None:
+        return None
+    offsets = router.index_offsets
+    return dataclasses.replace(router, ids=back(router.ids), index_offsets=None if offsets is None else back(offsets))
 
 
 def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, unroll: int | bool = 1,
                     temperature: float = 1.0, with_router: bool = False, replay: bool = False,
-                    adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None
-                    ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
+                    adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
+                    index_replay: bool = False) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
     """logits / temperature of the decoder (graphdef, params) on batch.tokens: [B, T, V] (with
     with_router, also what a MoE model's routers did, None for a dense model). A batch with the
     engine's routing (batch.routing) is compared with the model's own (the flip fraction) and,
-    with replay, used for every token the engine routed (R3). adapter_ids [B]: a decoder whose
+    with replay, used for every token the engine routed (R3); a DSA model's indexer choices alike
+    with the engine's (batch.indices), attended instead with index_replay. adapter_ids [B]: a decoder whose
     adapters are a bank (`models.lora.bank`), the adapter each row runs with. dropout_key: a
     training pass (`training_key`): LoRA adapters drop their inputs as `LoraConfig.dropout` says."""
     (logits, router), _, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
                                      replay=jnp.asarray(replay), return_routing=True, adapter_ids=adapter_ids,
-                                     dropout_key=dropout_key)
+                                     dropout_key=dropout_key, indices=batch.indices,
+                                     replay_indices=jnp.asarray(index_replay))
     logits = back(logits / temperature if temperature != 1.0 else logits)
     return (logits, _with_ids(router, back)) if with_router else logits
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                       with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0,
-                      with_router: bool = False, replay: bool = False, dropout_key: jax.Array | None = None
-                      ) -> tuple[jax.Array, ...]:
+                      with_router: bool = False, replay: bool = False, dropout_key: jax.Array | None = None,
+                      index_replay: bool = False) -> tuple[jax.Array, ...]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature):
 
         logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]
 
     Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense).
-    dropout_key: as `sequence_logits`'."""
+    dropout_key, index_replay: as `sequence_logits`'."""
     (logits, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
-                                          replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key)
+                                          replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key,
+                                          indices=batch.indices, replay_indices=jnp.asarray(index_replay))
     logits = logits / temperature if temperature != 1.0 else logits
     # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
     # token (never trained on), and set to 0 as the padded path has it

@@ -14,6 +14,8 @@ trajectory and positions restart at each one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -67,11 +69,12 @@ def _flat_index(pack_row: jax.Array, pack_offset: jax.Array, valid: jax.Array, r
 
 
 def pack_tokens(tokens: jax.Array, positions: jax.Array, valid: jax.Array, pack_row: jax.Array,
-                pack_offset: jax.Array, layout: tuple[int, int, int], extra: jax.Array | None = None,
-                extra_fill: int = -1) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+                pack_offset: jax.Array, layout: tuple[int, int, int], extra: Any = None,
+                extra_fill: int = -1) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
     """The packed model input for a [B, T] batch whose real tokens (`valid`) start each row:
     tokens, positions and segment ids (b + 1 for trajectory b, 0 on padding), each [R, row_len],
-    and `extra` ([B, T, ...], e.g. an engine's routing) packed alike, `extra_fill` on padding.
+    and `extra` (arrays [B, T, ...] or a pytree of them, e.g. an engine's routing) packed alike,
+    `extra_fill` on padding.
     layout: (seqs_per_group, rows_per_group, row_len), as `plan_packing` made it."""
     chex.assert_equal_shape([tokens, positions, valid])
     seqs_per_group, rows_per_group, row_len = layout
@@ -85,7 +88,7 @@ def pack_tokens(tokens: jax.Array, positions: jax.Array, valid: jax.Array, pack_
 
     segment = jnp.broadcast_to(jnp.arange(1, B + 1, dtype=jnp.int32)[:, None], tokens.shape)
     packed = [scatter(x, 0).reshape(R, row_len) for x in (tokens, positions, segment)]
-    packed_extra = None if extra is None else scatter(extra, extra_fill).reshape(R, row_len, *extra.shape[2:])
+    packed_extra = jax.tree.map(lambda x: scatter(x, extra_fill).reshape(R, row_len, *x.shape[2:]), extra)
     return (*packed, packed_extra)
 
 

@@ -137,6 +137,8 @@ class PPOConfig:
     """MoE: weight of the router z-loss mean(logsumexp(router logits)²); off by default."""
     routing_replay: RoutingReplay = "none"
     """MoE: r3 scores θ_old and trains with the engine's experts for every token it routed (gates: the trainer's router)."""
+    index_replay: bool = False
+    """DSA (GLM-5): score θ_old and train attending the keys the engine's indexers chose for every token it recorded (composes with routing_replay)."""  # noqa: E501
     old_logprobs: Literal["recompute", "engine"] = "recompute"
     """θ_old's log-probs: recompute (the trainer scores the batch before the step) or engine (the sampler's own, no scoring pass: the ratio is taken against the engine, verl's bypass mode; a correction between θ_old and the engine then has nothing to correct)."""  # noqa: E501
 
@@ -224,17 +226,19 @@ class PPOState:
 # --- the scoring pass --------------------------------------------------------------------
 
 def score_batch(state: PPOState, batch: RolloutBatch, *, microbatches: int = 1,
-                temperature: float = 1.0, routing_replay: bool = False,
+                temperature: float = 1.0, routing_replay: bool = False, index_replay: bool = False,
                 old_logprobs: Literal["recompute", "engine"] = "recompute") -> RolloutBatch:
     """The batch with logp_old (θ_old = state.policy, at the engine's sampling temperature),
     old_values (state.critic) and end_values (the critic's value of each whole row, which a
     truncated episode bootstraps from) filled in, computed in `microbatches` slices. Per-token
     ones are zero off the mask. A state without a critic fills logp_old only (no value pass); a
     state with a reference also fills logp_ref (the reference's log-probs, for the KL term).
-    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3).
+    routing_replay: a MoE policy scores with the engine's routing (batch.routing; R3); index_replay:
+    a DSA policy with the engine's indexer choices (batch.indices).
     old_logprobs "engine": logp_old = logp_infer, the policy's forward pass skipped (bypass mode)."""
     def logprobs(params: nnx.State, b: RolloutBatch) -> jax.Array:
-        return sequence_logprobs(state.policy_def, params, b, temperature=temperature, replay=routing_replay)[0]
+        return sequence_logprobs(state.policy_def, params, b, temperature=temperature, replay=routing_replay,
+                                 index_replay=index_replay)[0]
 
     def scores(b: RolloutBatch) -> dict[str, jax.Array]:
         out = {"logp_old": b.logp_infer if old_logprobs == "engine" else logprobs(state.policy, b)}
@@ -275,7 +279,8 @@ def _policy_update(state: PPOState, params, opt_state, targets: _PPOTargets, con
         logp, entropy, router = sequence_logprobs(state.policy_def, p, t.batch, with_entropy=True,
                                                   unroll=config.update.layer_unroll, temperature=temperature,
                                                   with_router=True, replay=config.routing_replay == "r3",
-                                                  dropout_key=training_key(state.step, t.batch.tokens))
+                                                  dropout_key=training_key(state.step, t.batch.tokens),
+                                                  index_replay=config.index_replay)
         weights = current_policy_weights(t.weights, logp, t.batch.logp_infer, t.mask, surrogate.mismatch, t.advantages)
         loss, metrics = policy_loss(logp, t.batch.logp_old, t.advantages, t.mask, eps_low=surrogate.eps_low,
                                     eps_high=surrogate.eps_high, dual_clip=surrogate.dual_clip, weights=weights,

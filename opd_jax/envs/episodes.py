@@ -203,7 +203,7 @@ async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: Tur
             out += completion.output_ids
             out_logps += completion.output_logprobs
             versions.append(completion.weight_version)
-            routed = completion.routed_experts
+            routed, indexed = completion.routed_experts, completion.index_offsets
             if completion.finish_reason != "abort" or len(out) >= min(limits.turn_tokens, room):
                 break
             resumes += 1
@@ -242,7 +242,7 @@ async def _episode(make_env, prompt: list[int], batcher: TurnBatcher, codec: Tur
     return Trajectory(prompt_ids=tuple(prompt), response_ids=tuple(ids), model_mask=tuple(mask),
                       logprobs=tuple(logps), turn_ends=tuple(turn_ends), turn_rewards=tuple(rewards), end=end,
                       weight_versions=tuple(versions), finish_reasons=tuple(finishes), metadata=metadata,
-                      success=success, routed_experts=routed)
+                      success=success, routed_experts=routed, index_offsets=indexed)
 
 
 def demonstration(make_env: Callable[[], Environment], *, codec: TurnCodec, tokenizer: Tokenizer, end_of_turn: int,

@@ -31,6 +31,7 @@ class Trajectory:
     error: str | None = None  # what failed, for end == "failed"
     success: bool | None = None  # the environment's info["success"], when it says
     routed_experts: Any = dataclasses.field(default=None, compare=False)  # [prompt + response tokens, layers, k]
+    index_offsets: Any = dataclasses.field(default=None, compare=False)  # DSA: [prompt + response tokens, layers, k]
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -71,7 +72,8 @@ class Trajectory:
                    turn_rewards=(float(reward),) if n else (),
                    end="done",
                    weight_versions=(rollout.weight_version,), finish_reasons=(rollout.finish_reason,),
-                   metadata=rollout.metadata, routed_experts=rollout.routed_experts)
+                   metadata=rollout.metadata, routed_experts=rollout.routed_experts,
+                   index_offsets=rollout.index_offsets)
 
     @classmethod
     def failed(cls, prompt_ids: tuple[int, ...], error: str, metadata: dict[str, Any]) -> Trajectory:

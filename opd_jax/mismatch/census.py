@@ -3,8 +3,10 @@ the config's own) and each seed, the run's own rollout machinery (`RolloutSessio
 engine at its precision, quantization and KV dtype, MoE with its routing recorded, or SGLang
 servers) samples `census.samples` responses to the config's prompts, and the trainer (the
 config's model at its precision, with routing replay when the config replays) scores the same
-tokens at the sampling temperature. The per-token log-probs go to `figures` (and, with --dump,
-to `tokens/ENGINE_seedN.npz`); `report` writes mismatch.json, mismatch.md and the plots."""
+tokens at the sampling temperature. A DSA model (GLM-5) is scored twice, attending its own keys
+and the engine's (index replay), and the keys each side chose are kept for the index flips. The
+per-token log-probs go to `figures` (and, with --dump, to `tokens/ENGINE_seedN.npz`); `report`
+writes mismatch.json, mismatch.md and the plots."""
 
 from __future__ import annotations
 
@@ -51,9 +53,11 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
                              params=nnx.state(policy, nnx.Param), tokenizer=tokenizer, run_dir=scratch,
                              record_routing=replay)
     graphdef, params = nnx.split(policy)
-    score = jax.jit(functools.partial(sequence_logprobs, temperature=scoring_temperature(rollout), replay=replay),
-                    static_argnums=0)
+    score = jax.jit(functools.partial(sequence_logprobs, temperature=scoring_temperature(rollout), replay=replay,
+                                      with_router=True), static_argnums=0, static_argnames="index_replay")
+    replays_indices = config.algorithm.ppo.index_replay
     trainer, engine, position, sequence, ids = [], [], [], [], []
+    index: dict[str, list[np.ndarray]] = {"index_engine": [], "index_own": [], "own_keys": [], "engine_keys": []}
     rows = generated = 0
     began = time.perf_counter()
     bar = progress(config.census.samples, label, unit="sample")
@@ -66,7 +70,15 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
             rows_per_pass = max(1, _LOGITS_BYTES // (batch.tokens.shape[1] * policy.config.vocab_size * 4))
             passes = [jax.tree.map(lambda x, a=a: x[a:a + rows_per_pass], batch)
                       for a in range(0, batch.tokens.shape[0], rows_per_pass)]
-            logp = np.concatenate([np.asarray(score(graphdef, params, part)[0]) for part in passes])
+            scored = [score(graphdef, params, part) for part in passes]
+            logp = np.concatenate([np.asarray(s[0]) for s in scored])
+            indexed = batch.indices is not None and scored[0][2] is not None and scored[0][2].index_offsets is not None
+            if indexed:  # a DSA model: its own keys, and the engine's attended instead (index replay)
+                own = {"index_own": np.concatenate([np.asarray(s[2].index_offsets) for s in scored]),
+                       "own_keys": logp, "index_engine": np.asarray(batch.indices),
+                       "engine_keys": np.concatenate([np.asarray(score(graphdef, params, part, index_replay=True)[0])
+                                                      for part in passes])}
+                logp = own["engine_keys"] if replays_indices else own["own_keys"]
             mask = np.asarray(batch.response_mask) > 0
             take = min(mask.shape[0], config.census.samples - rows)
             for r in range(take):
@@ -76,6 +88,9 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
                 position.append(np.arange(on.size))
                 sequence.append(np.full(on.size, rows + r))
                 ids.append(np.asarray(batch.tokens)[r, on])
+                if indexed:
+                    for name, values in own.items():
+                        index[name].append(values[r, on])
             rows += take
             bar.update(take)
     finally:
@@ -83,7 +98,8 @@ def sample_tokens(config: TrainConfig, rollout: RolloutSection, seed: int, polic
         session.close()
     flat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
     tokens = Tokens(flat(trainer, np.float32), flat(engine, np.float32), flat(position, np.int32),
-                    flat(sequence, np.int32))
+                    flat(sequence, np.int32),
+                    **{name: np.concatenate(parts) for name, parts in index.items() if parts})
     return tokens, {"token_ids": flat(ids, np.int32), "seconds": time.perf_counter() - began,
                     "generated": generated}
 
@@ -140,11 +156,14 @@ def run_census(config: TrainConfig, out: Path, *, dump: bool = False, only: Sequ
             entry["seeds"][seed] = figures
             if dump:
                 (out / "tokens").mkdir(parents=True, exist_ok=True)
+                dsa = {k: getattr(tokens, k) for k in ("index_engine", "index_own", "own_keys", "engine_keys")
+                       if getattr(tokens, k) is not None}
                 np.savez_compressed(out / "tokens" / f"{name}_seed{seed}.npz", trainer=tokens.trainer,
                                     engine=tokens.engine, position=tokens.position, sequence=tokens.sequence,
-                                    token_ids=extra["token_ids"])
+                                    token_ids=extra["token_ids"], **dsa)
             t = figures["tokens"]
             echo(f"{name} seed {seed}: {int(t['tokens'])} tokens, |Δlogp| {t.get('abs_dlogp', float('nan')):.4f}, "
-                 f"k3 KL {t.get('kl_k3', float('nan')):.2e}, phantom clip {t.get('phantom clip', float('nan')):.2%}")
+                 f"k3 KL {t.get('kl_k3', float('nan')):.2e}, phantom clip {t.get('phantom clip', float('nan')):.2%}"
+                 + (f", index flips {figures['index']['flip_frac']:.2%}" if "index" in figures else ""))
     return result
 

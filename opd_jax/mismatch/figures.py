@@ -13,11 +13,18 @@ and engine log-prob b = log μ(y_t), the ratio k = π / μ = exp(a − b):
   S = Σ_t (a_t − b_t) against its length L: the drift per 1,000 tokens is the least-squares slope
   of |S| on L through the origin, 1000 · Σ |S| L / Σ L².
 
+A DSA model (GLM-5) also has the keys each indexer layer chose per token, the engine's and the
+trainer's own (offsets back, `models.mla.key_offsets`): the index-flip fraction is the share of
+(token, indexer layer) pairs whose key sets differ, overall, per layer, by decile and by position;
+and the per-token figures are given twice, scored with the trainer's own keys and with the
+engine's (index replay).
+
 Plain NumPy over flat token arrays; nothing here runs a model."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +40,12 @@ class Tokens:
     engine: np.ndarray  # [N] log μ(y_t), the engine's own
     position: np.ndarray  # [N] index of the token in its response (0 first)
     sequence: np.ndarray  # [N] the response it belongs to
+    # DSA: the keys chosen, [N, indexer layers, k] offsets back (-1: none), the engine's and the
+    # trainer's own; the trainer's log-probs attending its own keys and the engine's (index replay)
+    index_engine: np.ndarray | None = None
+    index_own: np.ndarray | None = None
+    own_keys: np.ndarray | None = None
+    engine_keys: np.ndarray | None = None
 
     def __post_init__(self):
         n = {len(self.trainer), len(self.engine), len(self.position), len(self.sequence)}
@@ -109,10 +122,41 @@ def sequence_figures(tokens: Tokens) -> dict[str, float]:
             "sequence ratio q99": float(np.quantile(np.exp(s), 0.99))}
 
 
+def index_flipped(own: np.ndarray, engine: np.ndarray) -> np.ndarray:
+    """[N, layers] bool: the token's key set at that indexer layer differs between trainer and
+    engine (sets of offsets [N, layers, k], order ignored)."""
+    return np.any(np.sort(own, axis=-1) != np.sort(engine, axis=-1), axis=-1)
+
+
+def index_figures(tokens: Tokens, bands: Sequence[tuple[float, float]], clip: tuple[float, float],
+                  position_bins: int, longest: int | None = None) -> dict:
+    """A DSA model's index flips (overall, per indexer layer, by decile of the trainer's
+    probability and by position bin) and the per-token figures without and with index replay."""
+    flipped = index_flipped(tokens.index_own, tokens.index_engine)
+    p = np.exp(np.asarray(tokens.trainer, np.float64))
+    longest = int(longest or (tokens.position.max() + 1 if tokens.position.size else 1))
+    width = max(1, -(-longest // position_bins))
+    where = np.asarray(tokens.position) // width
+    engine = np.asarray(tokens.engine, np.float64)
+    return {"flip_frac": float(flipped.mean()) if flipped.size else math.nan,
+            "flip_frac per layer": [float(x) for x in flipped.mean(0)] if flipped.size else [],
+            "by_probability": [{"p_low": float(p[part].min()), "p_high": float(p[part].max()),
+                                "flip_frac": float(flipped[part].mean())}
+                               for part in np.array_split(np.argsort(p, kind="stable"), 10) if part.size],
+            "by_position": [{"from": b * width, "to": min((b + 1) * width, longest),
+                             "flip_frac": float(flipped[where == b].mean()) if np.any(where == b) else math.nan}
+                            for b in range(-(-longest // width))],
+            "own keys": token_figures(np.asarray(tokens.own_keys, np.float64) - engine, bands, clip),
+            "engine's keys": token_figures(np.asarray(tokens.engine_keys, np.float64) - engine, bands, clip)}
+
+
 def census_figures(tokens: Tokens, *, bands: Sequence[tuple[float, float]], clip: tuple[float, float],
                    position_bins: int, longest: int | None = None) -> dict:
     """Everything the census reports of one engine and one seed."""
-    return {"tokens": token_figures(tokens.log_ratio, bands, clip),
-            "sequences": sequence_figures(tokens),
-            "by_probability": by_probability(tokens, bands, clip),
-            "by_position": by_position(tokens, bands, clip, position_bins, longest)}
+    figures = {"tokens": token_figures(tokens.log_ratio, bands, clip),
+               "sequences": sequence_figures(tokens),
+               "by_probability": by_probability(tokens, bands, clip),
+               "by_position": by_position(tokens, bands, clip, position_bins, longest)}
+    if tokens.index_engine is not None:
+        figures["index"] = index_figures(tokens, bands, clip, position_bins, longest)
+    return figures

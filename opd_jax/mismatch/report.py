@@ -32,6 +32,15 @@ def aggregate(result: dict[str, Any]) -> dict[str, Any]:
         for part in ("by_probability", "by_position"):
             bins = min(len(s[part]) for s in seeds)
             summary[part] = [_pooled([s[part][b] for s in seeds]) for b in range(bins)]
+        if all("index" in s for s in seeds):  # a DSA model's index flips and its two scorings
+            index = [s["index"] for s in seeds]
+            summary["index"] = {"flip_frac": interval([i["flip_frac"] for i in index]),
+                                "flip_frac per layer": [interval([i["flip_frac per layer"][layer] for i in index])
+                                                        for layer in range(len(index[0]["flip_frac per layer"]))],
+                                **{part: [_pooled([i[part][b] for i in index]) for b in range(min(len(i[part])
+                                                                                                 for i in index))]
+                                   for part in ("by_probability", "by_position")},
+                                **{part: _pooled([i[part] for i in index]) for part in ("own keys", "engine's keys")}}
         entry["summary"] = summary
     return result
 
@@ -79,7 +88,40 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {b['from']['mean']:.0f}–{b['to']['mean']:.0f} | {b['tokens']['mean']:.0f} | "
                          f"{_cell(b.get('abs_dlogp'), '.4f')} | {_cell(b.get('kl_k3'), '.1e')} | "
                          f"{_cell(b.get('phantom clip'), '.2%')} |")
+    lines += _index_markdown(result)
     return "\n".join(lines) + "\n"
+
+
+def _index_markdown(result: dict[str, Any]) -> list[str]:
+    """A DSA model's section: index flips, and the mismatch without and with index replay."""
+    indexed = {name: e["summary"]["index"] for name, e in result["engines"].items() if "index" in e["summary"]}
+    if not indexed:
+        return []
+    lines = ["", "## DSA: the indexers' choices", "",
+             "Index flips: the share of (response token, indexer layer) pairs whose top-k key set differs between "
+             "engine and trainer. The mismatch twice: the trainer attending its own keys, and the engine's (index "
+             "replay).", "",
+             "| engine | index flips | per indexer layer | keys | mean abs(Δlogp) | k3 KL | phantom clip |",
+             "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for name, x in indexed.items():
+        layers = ", ".join(f"{f['mean']:.1%}" for f in x["flip_frac per layer"])
+        head = f"| {name} | {_cell(x['flip_frac'], '.2%')} | {layers} |"
+        for keys, label in (("own keys", "the trainer's own"), ("engine's keys", "the engine's (replay)")):
+            t = x[keys]
+            lines.append(f"{head} {label} | {_cell(t.get('abs_dlogp'), '.4f')} | {_cell(t.get('kl_k3'), '.1e')} | "
+                         f"{_cell(t.get('phantom clip'), '.2%')} |")
+            head = "| | | |"
+    for name, x in indexed.items():
+        lines += ["", f"### {name}: index flips by decile of the trainer's probability and by position", "",
+                  "| p range | index flips | | positions | index flips |", "| --- | ---: | --- | --- | ---: |"]
+        deciles, bins = x["by_probability"], x["by_position"]
+        for i in range(max(len(deciles), len(bins))):
+            d = deciles[i] if i < len(deciles) else None
+            b = bins[i] if i < len(bins) else None
+            left = f"{d['p_low']['mean']:.2g}–{d['p_high']['mean']:.2g} | {_cell(d['flip_frac'], '.2%')}" if d else " | "
+            right = f"{b['from']['mean']:.0f}–{b['to']['mean']:.0f} | {_cell(b.get('flip_frac'), '.2%')}" if b else " | "
+            lines.append(f"| {left} | | {right} |")
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

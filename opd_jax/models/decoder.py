@@ -25,7 +25,17 @@ from flax import nnx
 
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
-from opd_jax.models.mla import LATENT_NORM_EPS, MASKED, chunked_attention, layer_norm, rope_interleaved, rope_prefix
+from opd_jax.models.mla import (
+    LATENT_NORM_EPS,
+    MASKED,
+    chunked_attention,
+    chunked_topk,
+    key_offsets,
+    layer_norm,
+    replayed_topk,
+    rope_interleaved,
+    rope_prefix,
+)
 from opd_jax.models.moe import RouterInfo, experts_ragged, flip_fraction, route, router_stats
 from opd_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -342,12 +352,19 @@ def index_keys(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, posit
 
 def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_w: dict[str, jax.Array] | None,
                             x: jax.Array, positions: jax.Array, inv_freq: jax.Array, allowed: jax.Array,
-                            topk: jax.Array | None, cache_kv: tuple | None = None, layer: jax.Array | None = None,
-                            write_at: jax.Array | None = None, lora: Adapting = Adapting()
-                            ) -> tuple[jax.Array, tuple | None, jax.Array | None]:
-    """x + MLA(norm(x)) (`opd_jax.models.mla`); returns it, the cache and the top-k key slots it
-    attended (DSA): from this layer's indexer (`index_w`) where it runs one, else the `topk` given
-    (the previous full layer's); None where every key is attended (top-k ≥ the keys).
+                            topk: jax.Array | None, token_index: tuple[jax.Array, jax.Array],
+                            cache_kv: tuple | None = None, layer: jax.Array | None = None,
+                            write_at: jax.Array | None = None, lora: Adapting = Adapting(),
+                            engine: jax.Array | None = None, replay: jax.Array | None = None,
+                            valid: jax.Array | None = None
+                            ) -> tuple[jax.Array, tuple | None, jax.Array | None, jax.Array | None, jax.Array]:
+    """x + MLA(norm(x)) (`opd_jax.models.mla`); returns it, the cache, the top-k key slots it
+    attended (DSA; None where every key is attended: top-k ≥ the keys), and for a layer that runs
+    its indexer (`index_w`) its own choice as offsets (`mla.key_offsets`; token_index = each
+    query's and key slot's token index) and the share of the `valid` [B, T] tokens with an engine
+    record (`engine` offsets [B, T, k]) whose set differs from this choice. A shared layer attends
+    the `topk` given (the previous full layer's). Index replay: where `replay` [B, T], the engine's
+    choice is attended instead of this model's (`mla.replayed_topk`; a trainer's row only).
 
     Without a cache the keys are the sequence's own. With one, the layer's latent and rotary key
     ([c ‖ k_R], one vector per token) are written into its k and, for an indexer layer, the
@@ -371,18 +388,24 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
                                 layer, write_at)
         stored, keys = _read_cache(cache_kv, layer, x.dtype)
         latent, k_rope, keys = stored[:, :, 0, :m.kv_lora_rank], stored[:, :, 0, m.kv_lora_rank:], keys[:, :, 0]
-    indexer = None
+    offsets, flips = None, jnp.zeros((), jnp.float32)
     if index_w is not None and config.dsa.index_topk < allowed.shape[-1]:
         if keys is None:
             keys = index_keys(config, index_w, h, positions, inv_freq)
-        indexer = (*_index_queries(config, index_w, h, q_c, positions, inv_freq), keys, config.dsa.index_topk)
+        q_index, weights = _index_queries(config, index_w, h, q_c, positions, inv_freq)
+        topk = chunked_topk(q_index, weights, keys, allowed, config.dsa.index_topk)
+        offsets = key_offsets(topk, allowed, *token_index)
+        if engine is not None:
+            available = (engine[..., 0] >= 0) & valid
+            k = engine.shape[-1]
+            flips = flip_fraction(offsets.reshape(-1, k), engine.reshape(-1, k), available.reshape(-1))
+            topk = replayed_topk(topk, engine, replay & available)
     kv_b = merge_adapters({k: v for k, v in w.items() if base_name(k) == "kv_b"}, lora.scale)["kv_b"]
     w_uk, w_uv = kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
     q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk)
-    out, topk = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, m.qk_head_dim ** -0.5,
-                                  None if indexer else topk, indexer)
+    out = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, m.qk_head_dim ** -0.5, topk)
     values = jnp.einsum("btnr,rnv->btnv", out, w_uv)
-    return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk
+    return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk, offsets, flips
 
 
 def _segments(config: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -415,7 +438,8 @@ class Backbone(nnx.Module):
     def forward(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                 attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
                 replay: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None
+                adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
+                indices: jax.Array | None = None, replay_indices: jax.Array | None = None
                 ) -> tuple[jax.Array, RouterInfo | None]:
         """The training forward, without a cache: (final hidden states [B, T, hidden], RouterInfo
         of a MoE model or None).
@@ -431,6 +455,10 @@ class Backbone(nnx.Module):
         own segment (give positions restarting at each segment). adapter_ids: int [B], a model
         whose adapters are a bank (`lora.bank`): the adapter each row runs with. dropout_key: a
         training pass's key for the adapters' dropout (`LoraConfig.dropout`; none without it).
+        DSA models: indices [B, T, indexer layers, k], an engine's top-k per token as offsets back
+        (`mla.key_offsets`; -1: none), attended instead of this model's choice where replay_indices
+        [B, T] is set (default: nowhere; index replay) and compared with it everywhere
+        (RouterInfo.index_flips); the RouterInfo holds this model's own choices (index_offsets).
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -439,8 +467,10 @@ class Backbone(nnx.Module):
         if segment_ids is not None:
             chex.assert_shape(segment_ids, (B, T))
             allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        column = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))  # a row's keys are its columns
         hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay,
-                                       _adapting(self.config, adapter_ids, dropout_key))
+                                       _adapting(self.config, adapter_ids, dropout_key), (column, column),
+                                       indices, replay_indices)
         return hidden, info
 
     def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
@@ -462,8 +492,10 @@ class Backbone(nnx.Module):
             key_valid = cache.valid.at[jnp.arange(B)[:, None], query_slot].set(mask, mode="drop")
         allowed = key_valid[:, None, :] & (jnp.arange(cache.slots)[None, None, :] <= query_slot[:, :, None])
         kv = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+        key_index = jnp.cumsum(key_valid, axis=1, dtype=jnp.int32) - 1  # a slot's token index in its row
+        token_index = (jnp.take_along_axis(key_index, jnp.minimum(query_slot, cache.slots - 1), axis=1), key_index)
         hidden, kv, info = self._layers(tokens, positions, mask, allowed, kv, write_at, 1, None, None,
-                                        _adapting(self.config, None, None))
+                                        _adapting(self.config, None, None), token_index, None, None)
         return hidden, KVCache(k=kv[0], v=kv[1], valid=key_valid, length=cache.length + T, k_scale=kv[2],
                                v_scale=kv[3]), info
 
@@ -479,9 +511,12 @@ class Backbone(nnx.Module):
 
     def _layers(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array, allowed: jax.Array, kv: Any,
                 write_at: jax.Array | None, unroll: int | bool, routing: jax.Array | None,
-                replay: jax.Array | None, lora: Adapting) -> tuple[jax.Array, Any, RouterInfo | None]:
+                replay: jax.Array | None, lora: Adapting, token_index: tuple[jax.Array, jax.Array],
+                indices: jax.Array | None, replay_indices: jax.Array | None
+                ) -> tuple[jax.Array, Any, RouterInfo | None]:
         """Embedding, every layer (attention where `allowed` [B, T, keys]; keys and values written
-        into `kv` at `write_at` when there is a cache) and the final norm."""
+        into `kv` at `write_at` when there is a cache) and the final norm. token_index: each
+        query's and key slot's token index (DSA's offsets)."""
         B, T = tokens.shape
         config = self.config
         dt = jnp.dtype(self.compute_dtype)
@@ -505,54 +540,77 @@ class Backbone(nnx.Module):
         # per layer: its row in the indexer's stack (-1: it reuses the previous full layer's top-k)
         index_row = jnp.asarray([config.indexer_layers.index(i) if i in config.indexer_layers else -1
                                  for i in range(config.num_layers)], jnp.int32)
+        engine_indices = None if indices is None or not sparse else jnp.moveaxis(indices.astype(jnp.int32), 2, 0)
+        if engine_indices is not None:  # [indexer layers, B, T, k]
+            replay_indices = (jnp.zeros((B, T), bool) if replay_indices is None
+                              else jnp.broadcast_to(replay_indices, (B, T)).astype(bool))
+        no_choice = jnp.zeros((B, T, config.dsa.index_topk) if sparse else (0,), jnp.int32)
 
         def body(kind, carry, layer_in):
             x, kv, topk = carry
             p, m, f, layer = layer_in
             w = {name: value.astype(dt) for name, value in p.items()}
             adapting = lora.at(layer)
+            chosen = (no_choice, jnp.zeros((), jnp.float32))  # an indexer layer's own offsets and flips
             if config.mla is None:
                 x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting)
             elif not sparse and kv is None:
-                x, _, _ = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed, None,
-                                                  lora=adapting)
+                x = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed, None, token_index,
+                                            lora=adapting)[0]
             else:
                 row = index_row[layer]
 
                 def own(kv, topk):  # this layer runs its indexer
                     index_w = {name: value[row].astype(dt) for name, value in indexing.items()}
-                    x_out, kv, chosen = _latent_attention_block(config, w, index_w, x, positions, inv_freq, allowed,
-                                                                None, kv, layer, write_at, adapting)
-                    return x_out, kv, topk if chosen is None else chosen
+                    engine = None if engine_indices is None else engine_indices[jnp.maximum(row, 0)]
+                    x_out, kv, used, offsets, flips = _latent_attention_block(
+                        config, w, index_w, x, positions, inv_freq, allowed, None, token_index, kv, layer, write_at,
+                        adapting, engine, replay_indices, mask)
+                    if used is None:  # every key attended: nothing chosen
+                        return x_out, kv, topk, (no_choice, flips)
+                    return x_out, kv, used, (offsets, flips)
 
                 def shared(kv, topk):
-                    return _latent_attention_block(config, w, None, x, positions, inv_freq, allowed,
-                                                   topk if sparse else None, kv, layer, write_at, adapting)[:2] + (topk,)
+                    x_out, kv = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed,
+                                                        topk if sparse else None, token_index, kv, layer, write_at,
+                                                        adapting)[:2]
+                    return x_out, kv, topk, chosen
 
-                x, kv, topk = jax.lax.cond(row >= 0, own, shared, kv, topk)
+                x, kv, topk, chosen = jax.lax.cond(row >= 0, own, shared, kv, topk)
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             m = {name: value if name.startswith("router") else value.astype(dt) for name, value in m.items()}
             if kind == "dense":
-                return (x + _dense_mlp(h, m, adapting), kv, topk), None
+                return (x + _dense_mlp(h, m, adapting), kv, topk), (None, chosen)
             out, info = _moe_mlp(config, h, m, f, replay, mask, adapting)
-            return (x + out, kv, topk), info
+            return (x + out, kv, topk), (info, chosen)
 
-        used = []
-        topk = jnp.zeros((B, T, config.dsa.index_topk) if sparse else (0,), jnp.int32)
+        used, indexed = [], []
+        topk = no_choice
         for kind, start, stop, first in _segments(config):
             xs = ({k: v[start:stop] for k, v in attention.items()},
                   {k: v[first:first + stop - start] for k, v in mlp[kind].items()},
                   None if forced is None or kind == "dense" else forced[first:first + stop - start],
                   jnp.arange(start, stop))
-            (x, kv, topk), info = jax.lax.scan(functools.partial(body, kind), (x, kv, topk), xs, unroll=unroll)
+            (x, kv, topk), (info, chosen) = jax.lax.scan(functools.partial(body, kind), (x, kv, topk), xs,
+                                                         unroll=unroll)
             if info is not None:
                 used.append(info)
+            indexed.append(chosen)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
+        index_info = {}
+        if sparse:  # each indexer layer's own choice [B, T, indexer layers, k] and flips [indexer layers]
+            rows = jnp.asarray(config.indexer_layers, jnp.int32)
+            offsets, flips = (jnp.concatenate(parts)[rows] for parts in zip(*indexed))
+            index_info = dict(index_offsets=jnp.moveaxis(offsets, 0, 2), index_flips=flips)
         if not used:
-            return x, kv, None
+            if not index_info:
+                return x, kv, None
+            empty = jnp.zeros((0,), jnp.float32)  # a DSA model without MoE layers: no router statistics
+            return x, kv, RouterInfo(ids=jnp.zeros((B, T, 0, 0), jnp.int32), tokens_per_expert=empty[:, None],
+                                     prob_per_expert=empty[:, None], z_loss=empty, flip_fraction=empty, **index_info)
         ids, f, P, z, flips = (jnp.concatenate(parts) for parts in zip(*used))
         return x, kv, RouterInfo(ids=jnp.moveaxis(ids, 0, 2), tokens_per_expert=f, prob_per_expert=P, z_loss=z,
-                                 flip_fraction=flips)
+                                 flip_fraction=flips, **index_info)
 
 
 class Decoder(nnx.Module):
@@ -584,12 +642,14 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
                  replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None,
-                 adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None
+                 adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
+                 indices: jax.Array | None = None, replay_indices: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
         """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone.forward)."""
         hidden, info = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
                                              routing=routing, replay=replay, segment_ids=segment_ids,
-                                             adapter_ids=adapter_ids, dropout_key=dropout_key)
+                                             adapter_ids=adapter_ids, dropout_key=dropout_key, indices=indices,
+                                             replay_indices=replay_indices)
         return (self.logits(hidden), info) if return_routing else self.logits(hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -605,6 +665,14 @@ class Decoder(nnx.Module):
                attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """Run T new tokens through the cache (a prompt's prefill, or the next token): the
         last position's logits [B, vocab], the cache, and the expert ids each token used
-        [B, T, MoE layers, k] (None for a dense model): what an engine records for routing replay."""
+        [B, T, MoE layers, k] (None for a dense model): what an engine records for routing replay.
+        A DSA model's indexer choices are `decode_choices`'."""
+        logits, cache, info = self.decode_choices(tokens, cache, positions=positions, attention_mask=attention_mask)
+        return logits, cache, None if info is None else info.ids
+
+    def decode_choices(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
+                       attention_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, RouterInfo | None]:
+        """`decode`, with the whole RouterInfo: a DSA model's indexer choices too
+        (index_offsets [B, T, indexer layers, k], what an engine records for index replay)."""
         hidden, cache, info = self.backbone.extend(tokens, cache, positions=positions, attention_mask=attention_mask)
-        return self.logits(hidden[:, -1]), cache, None if info is None else info.ids
+        return self.logits(hidden[:, -1]), cache, info

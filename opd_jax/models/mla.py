@@ -135,7 +135,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
 
     q_latent: [B, T, n, r] (q_N·W_ukᵀ); q_rope: [B, T, n, d_R]; latent: [B, S, r]; k_rope:
     [B, S, d_R]; allowed: [B, T, S] (causality, padding, segments). topk: [B, T, k] key slots per
-    query (DSA): only those are gathered and attended over, where also allowed; None: every key."""
+    query (DSA; -1: none): only those are gathered and attended over, where also allowed; None:
+    every key."""
     chex.assert_rank([q_latent, q_rope, latent, k_rope, allowed], [4, 4, 3, 3, 3])
     f32 = jnp.float32
     if topk is None:
@@ -144,9 +145,10 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         scores = jnp.where(allowed[:, :, None, :], scores, MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
         return jnp.einsum("btns,bsr->btnr", probs, latent)
+    slot = jnp.maximum(topk, 0)
     take = jax.vmap(lambda values, index: values[index])  # per row: [S, ...] at [T, k] -> [T, k, ...]
-    chosen_latent, chosen_rope = take(latent, topk), take(k_rope, topk)  # [B, T, k, r], [B, T, k, d_R]
-    keep = jnp.take_along_axis(allowed, topk, axis=-1)  # [B, T, k]
+    chosen_latent, chosen_rope = take(latent, slot), take(k_rope, slot)  # [B, T, k, r], [B, T, k, d_R]
+    keep = jnp.take_along_axis(allowed, slot, axis=-1) & (topk >= 0)  # [B, T, k]
     scores = (jnp.einsum("btnr,btkr->btnk", q_latent, chosen_latent, preferred_element_type=f32)
               + jnp.einsum("btnd,btkd->btnk", q_rope, chosen_rope, preferred_element_type=f32)) * scale
     scores = jnp.where(keep[:, :, None, :], scores, MASKED)
@@ -157,26 +159,12 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
 QUERY_CHUNK = 512  # queries attended together: a chunk's scores are [chunk, keys], not [T, keys]
 
 
-def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                      allowed: jax.Array, scale: float, topk: jax.Array | None = None,
-                      indexer: tuple[jax.Array, jax.Array, jax.Array, int] | None = None,
-                      chunk: int = QUERY_CHUNK) -> tuple[jax.Array, jax.Array | None]:
-    """`mla_attention` over the queries `chunk` at a time, so the scores (and the indexer's) of a
-    long sequence take O(chunk · S) memory instead of O(T · S); returns (output [B, T, n, r], the
-    top-k used or None). indexer = (q^I [B, T, n_I, d_I], weights [B, T, n_I], keys [B, S, d_I],
-    k): each chunk's top-k is its own indexer's choice (`index_scores`, `indexer_topk`); else
-    `topk` [B, T, k] (a shared layer's) or None (every key)."""
-    length = q_latent.shape[1]
-
-    def one(per_query):
-        q_latent, q_rope, allowed, topk, q_index, weights = per_query
-        if q_index is not None:
-            topk = indexer_topk(index_scores(q_index, indexer[2], weights), allowed, indexer[3])
-        return mla_attention(q_latent, q_rope, latent, k_rope, allowed, scale, topk), topk
-
-    per_query = (q_latent, q_rope, allowed, topk, *((indexer[0], indexer[1]) if indexer else (None, None)))
+def _by_query_chunks(fn, per_query: tuple, chunk: int):
+    """fn over the queries (axis 1 of every array in `per_query`; None passes through) `chunk` at a
+    time under lax.map, so per-chunk temporaries are O(chunk · keys); the outputs joined back."""
+    length = next(x for x in per_query if x is not None).shape[1]
     if length <= chunk:
-        return one(per_query)
+        return fn(per_query)
     n = -(-length // chunk)
     pad = n * chunk - length  # padded queries attend nowhere (allowed False) and are dropped after
 
@@ -188,5 +176,42 @@ def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
         y = jnp.moveaxis(y, 0, 1)
         return y.reshape(y.shape[0], n * chunk, *y.shape[3:])[:, :length]
 
-    out, used = jax.lax.map(one, jax.tree.map(split, per_query))
-    return join(out), None if used is None else join(used)
+    return jax.tree.map(join, jax.lax.map(fn, jax.tree.map(split, per_query)))
+
+
+def chunked_topk(q_index: jax.Array, weights: jax.Array, keys: jax.Array, allowed: jax.Array, k: int,
+                 chunk: int = QUERY_CHUNK) -> jax.Array:
+    """The indexer's choice [B, T, k] (`index_scores`, `indexer_topk`) for q^I [B, T, n_I, d_I],
+    weights [B, T, n_I] and keys [B, S, d_I], `chunk` queries at a time (scores O(chunk · S))."""
+    return _by_query_chunks(lambda q: indexer_topk(index_scores(q[0], keys, q[1]), q[2], k),
+                            (q_index, weights, allowed), chunk)
+
+
+def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                      allowed: jax.Array, scale: float, topk: jax.Array | None = None,
+                      chunk: int = QUERY_CHUNK) -> jax.Array:
+    """`mla_attention` over the queries `chunk` at a time, so the scores of a long sequence take
+    O(chunk · S) memory instead of O(T · S): output [B, T, n, r]."""
+    return _by_query_chunks(lambda q: mla_attention(q[0], q[1], latent, k_rope, q[2], scale, q[3]),
+                            (q_latent, q_rope, allowed, topk), chunk)
+
+
+def key_offsets(topk: jax.Array, allowed: jax.Array, query_index: jax.Array, key_index: jax.Array) -> jax.Array:
+    """Index replay's record of a top-k choice: how many tokens back each chosen key is,
+    query_index[t] − key_index[topk[t, j]] ([B, T, k] int32; -1 where the slot is not an allowed
+    key). Offsets, not slots, so the record means the same in an engine's cache (slots, left
+    padding, stored prefixes) and in a trainer's padded or packed row. query_index [B, T],
+    key_index [B, S]: each query's and key slot's token index in its sequence."""
+    slot = jnp.maximum(topk, 0)
+    keep = jnp.take_along_axis(allowed, slot, axis=-1) & (topk >= 0)
+    back = query_index[:, :, None] - jnp.take_along_axis(key_index[:, None, :], slot, axis=-1)
+    return jnp.where(keep, back, -1).astype(jnp.int32)
+
+
+def replayed_topk(own: jax.Array, engine: jax.Array, use: jax.Array) -> jax.Array:
+    """Index replay in a trainer's row (keys are its columns): the engine's choice (`engine`
+    offsets [B, T, k], -1: none) where `use` [B, T], as columns t − offset (-1 kept: no key);
+    this model's own top-k columns `own` elsewhere."""
+    t = jnp.arange(own.shape[1], dtype=jnp.int32)[None, :, None]
+    forced = jnp.where(engine >= 0, t - engine, -1)
+    return jnp.where(use[:, :, None], forced, own).astype(jnp.int32)

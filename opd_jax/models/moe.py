@@ -146,6 +146,10 @@ class RouterInfo:
     prob_per_expert: jax.Array
     z_loss: jax.Array
     flip_fraction: jax.Array  # [layers]: of the tokens with an engine routing, those whose top-k set differs
+    # DSA (`models.mla`): each indexer layer's own top-k per token as offsets back [B, T, indexer layers, k]
+    # (-1: none), and of the tokens with an engine record, those whose set differs [indexer layers]
+    index_offsets: jax.Array | None = None
+    index_flips: jax.Array | None = None
 
 
 def router_stats(logits: jax.Array, ids: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

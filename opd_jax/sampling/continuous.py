@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from opd_jax.models.decoder import Decoder, KVCache
+from opd_jax.sampling.choices import choice_shapes, recorded_choices
 from opd_jax.sampling.ops import bucket, sample_tokens
 from opd_jax.sampling.prefix_cache import (
     PrefillStats,
@@ -54,14 +55,13 @@ class Slots:
     max_new: jax.Array  # [S]
     tokens: jax.Array  # [S, max_new]
     logprobs: jax.Array  # [S, max_new]
-    routing: jax.Array | None  # [S, max_new, MoE layers, k] (-1: none); None for a dense model
+    routing: dict[str, jax.Array]  # each recorded choice [S, max_new, ...] (`sampling.choices`; -1: none)
 
 
 def empty_slots(model: Decoder, slots: int, cache_len: int, max_new: int, n_stop: int, kv_dtype: Any) -> Slots:
     config = model.config
     cache = KVCache.empty(config, slots, cache_len, kv_dtype)
     cache = cache.replace(length=jnp.zeros((slots,), jnp.int32))
-    moe = config.moe
     ints = lambda: jnp.zeros((slots,), jnp.int32)  # noqa: E731 (fresh buffers: the slots are donated)
     ones = lambda: jnp.ones((slots,), jnp.float32)  # noqa: E731
     return Slots(cache=cache, logits=jnp.zeros((slots, config.vocab_size), jnp.float32), next_pos=ints(),
@@ -69,25 +69,26 @@ def empty_slots(model: Decoder, slots: int, cache_len: int, max_new: int, n_stop
                  keys=jnp.zeros((slots, 2), jnp.uint32), temperature=ones(), top_k=ints(),
                  top_p=ones(), stop_ids=jnp.full((slots, n_stop), -1, jnp.int32), max_new=ints(),
                  tokens=jnp.zeros((slots, max_new), jnp.int32), logprobs=jnp.zeros((slots, max_new), jnp.float32),
-                 routing=None if moe is None else jnp.full((slots, max_new, len(config.moe_layers),
-                                                            moe.experts_per_token), -1, jnp.int32))
+                 routing={name: jnp.full((slots, max_new, *shape), -1, jnp.int32)
+                          for name, shape in choice_shapes(config).items()})
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("slots",))
 def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Array, row_of: jax.Array,
            before: Prefixes, window: jax.Array, window_mask: jax.Array, positions: jax.Array, keys: jax.Array,
            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, stop_ids: jax.Array, max_new: jax.Array
-           ) -> tuple[Slots, jax.Array | None]:
+           ) -> tuple[Slots, dict[str, jax.Array]]:
     """Prefill u unique prompts (left-padded to P columns; only their last window [u, S] is
     computed, what precedes it comes from `before`: stored prefixes, or nothing) and put n
     requests in slots `where` [n] (an index past the last slot: a padding row, dropped), request
     i starting from the prefill of prompt `row_of[i]` (equal prompts share one). Returns the
-    slots and the window's experts (MoE), per unique prompt."""
+    slots and the window's recorded choices (`sampling.choices`), per unique prompt."""
     model: Decoder = nnx.merge(graphdef, state)
     n = where.shape[0]
     P = before.length + window.shape[1]
     cache = cache_with_prefixes(model.config, slots.cache.slots, slots.cache.k.dtype, before)
-    logits, cache, routing = model.decode(window, cache, positions=positions, attention_mask=window_mask)
+    logits, cache, info = model.decode_choices(window, cache, positions=positions, attention_mask=window_mask)
+    routing = recorded_choices(model.config, info, window.shape)
 
     def put(big, new, axis=0):  # request i's value
         index = (slice(None),) * axis + (where,)
@@ -108,7 +109,7 @@ def _admit(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, where: jax.Ar
         stopped=put(slots.stopped, jnp.zeros((n,), bool)), keys=put(slots.keys, jax.random.key_data(keys)),
         temperature=put(slots.temperature, temperature), top_k=put(slots.top_k, top_k), top_p=put(slots.top_p, top_p),
         stop_ids=put(slots.stop_ids, stop_ids), max_new=put(slots.max_new, max_new),
-        routing=None if slots.routing is None else put(slots.routing, jnp.full((n, *slots.routing.shape[1:]), -1)))
+        routing={name: put(r, jnp.full((n, *r.shape[1:]), -1)) for name, r in slots.routing.items()})
     return slots, routing
 
 
@@ -137,11 +138,11 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, pad_id: jax.
         hit_stop = live & jnp.any(token[:, None] == s.stop_ids, axis=1)
         step = jnp.where(live, s.step + 1, s.step)
         done = s.done | hit_stop | (live & (step >= s.max_new))
-        logits, cache, used = model.decode(token[:, None], s.cache, positions=s.next_pos[:, None],
-                                           attention_mask=live[:, None])
-        routing = s.routing
-        if routing is not None:
-            routing = routing.at[rows, at].set(jnp.where(live[:, None, None], used[:, 0], routing[rows, at]))
+        logits, cache, info = model.decode_choices(token[:, None], s.cache, positions=s.next_pos[:, None],
+                                                   attention_mask=live[:, None])
+        used = recorded_choices(model.config, info, (rows.shape[0], 1))
+        routing = {name: r.at[rows, at].set(jnp.where(live[:, None, None], used[name][:, 0], r[rows, at]))
+                   for name, r in s.routing.items()}
         s = s.replace(cache=cache, logits=logits, next_pos=jnp.where(live, s.next_pos + 1, s.next_pos), done=done,
                       step=step, stopped=s.stopped | hit_stop, tokens=tokens, logprobs=logprobs, routing=routing)
         return i + 1, s, ended | jnp.any(live & done)
@@ -167,18 +168,18 @@ def _grow(slots: Slots, *, max_new: int, n_stop: int) -> Slots:
 
     return slots.replace(tokens=pad(slots.tokens, 1, max_new), logprobs=pad(slots.logprobs, 1, max_new),
                          stop_ids=pad(slots.stop_ids, 1, n_stop, -1),
-                         routing=None if slots.routing is None else pad(slots.routing, 1, max_new, -1))
+                         routing={name: pad(r, 1, max_new, -1) for name, r in slots.routing.items()})
 
 
 
-Result = tuple[np.ndarray, np.ndarray, bool, "np.ndarray | None"]  # tokens, log-probs, stopped, experts
+Result = tuple[np.ndarray, np.ndarray, bool, dict]  # tokens, log-probs, stopped, choices (`sampling.choices`)
 
 
 class DecodeSlots:
     """Continuous batching on the host: `submit` queues a request (any time, also while others
     decode), `step` admits waiting requests into free slots (in submission order), runs one decode
     chunk and returns the requests that finished, each as (ticket, (tokens, log-probs, stopped at
-    a stop id, experts of prompt + output tokens or None)). Each slot's cache holds `cache_len`
+    a stop id, the recorded choices of prompt + output tokens: `sampling.choices`)). Each slot's cache holds `cache_len`
     tokens (a request needs prompt + max_new_tokens of them); the output buffers and stop lists
     grow (to powers of two) when a request needs more, so the compiled shapes stay few.
     open_queue: requests keep arriving while others decode (an engine serving stream calls as
@@ -199,7 +200,7 @@ class DecodeSlots:
         self._slots = empty_slots(model, slots, cache_len, bucket(max_new, 1), bucket(n_stop, 4), self.kv_dtype)
         self._waiting: collections.deque = collections.deque()
         self._owner: list[Any] = [None] * slots
-        self._prompt_routing: dict[int, np.ndarray] = {}
+        self._prompt_routing: dict[int, dict[str, np.ndarray]] = {}
         # a prefix store: a request that extends a stored sequence prefills only what follows it
         self.prefix_store, self.prefill_stats = prefix_store, prefill_stats or PrefillStats(model.config)
         self._held: dict[int, tuple[list[int], int, Prefix | None]] = {}  # slot -> prompt, its first slot, prefix
@@ -259,11 +260,10 @@ class DecodeSlots:
                                      window.before, *window.arrays(), keys, field("temperature", jnp.float32),
                                      field("top_k", jnp.int32), field("top_p", jnp.float32), jnp.asarray(stops),
                                      field("max_new_tokens", jnp.int32))
-        if routed is not None:
-            routed = np.asarray(routed)
-            for j, (_, prompt, _, _) in enumerate(take):
-                self._prompt_routing[free[j]] = window.prompt_routing(routed[row_of[j]], prefixes[row_of[j]],
-                                                                      len(prompt))
+        routed = jax.device_get(routed)
+        for j, (_, prompt, _, _) in enumerate(take):
+            self._prompt_routing[free[j]] = window.prompt_routing({k: v[row_of[j]] for k, v in routed.items()},
+                                                                  prefixes[row_of[j]], len(prompt))
 
     def step(self) -> list[tuple[Any, Result]]:
         """Admit what waits into free slots (in the order it came), decode one chunk, return what
@@ -281,13 +281,14 @@ class DecodeSlots:
             got = jax.device_get((s_.tokens, s_.logprobs, s_.stopped, s_.routing))
             for s in finished:
                 n = int(step[s])
-                experts = None if got[3] is None else np.concatenate([self._prompt_routing.pop(s), got[3][s, :n]])
-                out.append((self._owner[s], (got[0][s, :n], got[1][s, :n], bool(got[2][s]), experts)))
-                self._keep(s, [int(t) for t in got[0][s, :n]], experts)
+                prompt = self._prompt_routing.pop(s)
+                choices = {k: np.concatenate([prompt[k], v[s, :n]]) for k, v in got[3].items()}
+                out.append((self._owner[s], (got[0][s, :n], got[1][s, :n], bool(got[2][s]), choices)))
+                self._keep(s, [int(t) for t in got[0][s, :n]], choices)
                 self._owner[s] = None
         return out
 
-    def _keep(self, slot: int, output: list[int], experts: np.ndarray | None) -> None:
+    def _keep(self, slot: int, output: list[int], choices: dict[str, np.ndarray]) -> None:
         """Store a finished request's prompt + output KV (its slot's valid span), in place of the
         prefix it extended."""
         prompt, first, extended = self._held.pop(slot)
@@ -297,7 +298,7 @@ class DecodeSlots:
         span = slice(first, first + len(prompt) + len(output))
         part = lambda x: None if x is None else np.array(x[:, span])  # noqa: E731 (a copy, in the cache dtype)
         self.prefix_store.add(Prefix(ids=tuple(prompt) + tuple(output), k=part(row["k"]), v=part(row["v"]),
-                                     k_scale=part(row["k_scale"]), v_scale=part(row["v_scale"]), routing=experts),
+                                     k_scale=part(row["k_scale"]), v_scale=part(row["v_scale"]), routing=choices),
                               extends=extended)
 
 

@@ -24,6 +24,7 @@ from flax import nnx
 
 from opd_jax.errors import OpdJaxError
 from opd_jax.models.decoder import Decoder, KVCache
+from opd_jax.sampling.choices import as_fields, choice_shapes, of_fields, recorded_choices
 from opd_jax.sampling.continuous import DecodeSlots, Result, generate_continuous
 from opd_jax.sampling.ops import bucket, sample_tokens
 from opd_jax.sampling.prefix_cache import (
@@ -54,18 +55,16 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: Prefixes, wind
     of one prompt share its prefill)."""
     model: Decoder = nnx.merge(graphdef, state)
     cache = cache_with_prefixes(model.config, slots, kv_dtype, prefixes)
-    logits, cache, window_routing = model.decode(window, cache, positions=window_positions,
-                                                 attention_mask=window_mask)
+    logits, cache, info = model.decode_choices(window, cache, positions=window_positions, attention_mask=window_mask)
+    window_routing = recorded_choices(model.config, info, window.shape)
     copy = lambda x: None if x is None else jnp.take(x, row_of, axis=1)  # noqa: E731  ([layers, rows, ...])
     cache = cache.replace(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale), v_scale=copy(cache.v_scale),
                           valid=cache.valid[row_of])
     logits = logits[row_of]
-    window_routing = None if window_routing is None else window_routing[row_of]
+    window_routing = jax.tree.map(lambda x: x[row_of], window_routing)
     B = row_of.shape[0]
-    # MoE: the experts every prompt and output token was routed to (routing replay); -1 = none
-    moe = model.config.moe
-    routing = None if moe is None else jnp.full((B, max_new, len(model.config.moe_layers), moe.experts_per_token),
-                                                -1, jnp.int32)
+    # what every prompt and output token chose (`recorded_choices`: experts, DSA's keys); -1 = none
+    routing = {name: jnp.full((B, max_new, *shape), -1, jnp.int32) for name, shape in choice_shapes(model.config).items()}
 
     def cond(carry):
         step, done = carry[0], carry[3]
@@ -83,10 +82,11 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: Prefixes, wind
         stopped = stopped | hit_stop
         live = ~done
         done = done | hit_stop | (step + 1 >= row_max_new)
-        logits, cache, used = model.decode(token[:, None], cache, positions=next_pos[:, None],
-                                           attention_mask=live[:, None])
-        if routing is not None:
-            routing = routing.at[:, step].set(jnp.where(live[:, None, None], used[:, 0], -1))
+        logits, cache, info = model.decode_choices(token[:, None], cache, positions=next_pos[:, None],
+                                                   attention_mask=live[:, None])
+        used = recorded_choices(model.config, info, (B, 1))
+        routing = {name: routing[name].at[:, step].set(jnp.where(live[:, None, None], used[name][:, 0], -1))
+                   for name in routing}
         return step + 1, logits, cache, done, next_pos + 1, tokens, logprobs, lengths, stopped, routing
 
     zeros_b = jnp.zeros((B,), jnp.int32)
@@ -94,7 +94,7 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prefixes: Prefixes, wind
              jnp.full((B, max_new), pad_id, jnp.int32), jnp.zeros((B, max_new), jnp.float32), zeros_b,
              jnp.zeros((B,), bool), routing)
     carry = jax.lax.while_loop(cond, body, carry)
-    return carry[5], carry[6], carry[7], carry[8], (None if routing is None else (window_routing, carry[9])), carry[2]
+    return carry[5], carry[6], carry[7], carry[8], (window_routing, carry[9]), carry[2]
 
 
 @dataclasses.dataclass
@@ -106,14 +106,13 @@ class _Plan:
     prefixes: list[Prefix | None]  # per unique prompt: the stored sequence it extends
     window: PrefillWindow
 
-    def routed(self, i: int, routing: Any, length: int) -> np.ndarray | None:
-        """[prompt + output tokens, MoE layers, k]: the experts each token of row i went through
-        (the prompt's: the stored prefix's before the window, the window's after)."""
-        if routing is None:
-            return None
+    def routed(self, i: int, routing: Any, length: int) -> dict[str, np.ndarray]:
+        """Per recorded choice (`choice_shapes`) [prompt + output tokens, ...]: what each token of
+        row i chose (the prompt's: the stored prefix's before the window, the window's after)."""
         window_part, output_part = routing
-        prompt = self.window.prompt_routing(window_part[i], self.prefixes[self.row_of[i]], len(self.prompts[i]))
-        return np.concatenate([prompt, output_part[i, :length]])
+        prompt = self.window.prompt_routing({k: v[i] for k, v in window_part.items()},
+                                            self.prefixes[self.row_of[i]], len(self.prompts[i]))
+        return {k: np.concatenate([prompt[k], output_part[k][i, :length]]) for k in output_part}
 
 
 class Sampler:
@@ -188,11 +187,11 @@ class Sampler:
                            prefix_store=self.prefix_store, prefill_stats=self.prefill_stats)
 
     def rollout(self, prompt: Sequence[int], result: Result, metadata: dict[str, Any] | None = None) -> Rollout:
-        """The Rollout of a continuous-batching result (tokens, log-probs, stopped, experts)."""
-        ids, logp, stopped, experts = result
+        """The Rollout of a continuous-batching result (tokens, log-probs, stopped, choices)."""
+        ids, logp, stopped, choices = result
         return Rollout(prompt_ids=tuple(int(t) for t in prompt), output_ids=tuple(int(t) for t in ids),
                        output_logprobs=tuple(float(x) for x in logp), finish_reason="stop" if stopped else "length",
-                       weight_version=self.weight_version, metadata=dict(metadata or {}), routed_experts=experts)
+                       weight_version=self.weight_version, metadata=dict(metadata or {}), **as_fields(choices))
 
     def compiled_variants(self) -> int:
         """How many shapes the generation function has been compiled for (all Samplers)."""
@@ -249,7 +248,7 @@ class Sampler:
                             output_ids=tuple(int(t) for t in out_tokens[i, :lengths[i]]),
                             output_logprobs=tuple(float(x) for x in out_logprobs[i, :lengths[i]]),
                             finish_reason="stop" if stopped[i] else "length", weight_version=self.weight_version,
-                            metadata=dict(metadata[i]), routed_experts=plan.routed(i, routing, lengths[i]))
+                            metadata=dict(metadata[i]), **as_fields(plan.routed(i, routing, lengths[i])))
                     for i in range(B)]
         if self.prefix_store is not None:
             self._keep(rollouts, cache, width, plan)
@@ -273,9 +272,7 @@ class Sampler:
         for i, rollout in enumerate(rollouts):
             a, b = width - len(rollout.prompt_ids), width + len(rollout.output_ids)
             part = lambda x: None if x is None else np.array(x[:, i, a:b])  # noqa: E731 (a copy, in the cache dtype)
-            routing = rollout.routed_experts
             self.prefix_store.add(Prefix(ids=rollout.prompt_ids + rollout.output_ids, k=part(host["k"]),
                                          v=part(host["v"]), k_scale=part(host["k_scale"]),
-                                         v_scale=part(host["v_scale"]),
-                                         routing=None if routing is None else np.asarray(routing)),
+                                         v_scale=part(host["v_scale"]), routing=of_fields(rollout)),
                                   extends=plan.prefixes[plan.row_of[i]])

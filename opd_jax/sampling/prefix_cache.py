@@ -3,8 +3,8 @@
 the same ids, the observation appended) prefills only what was appended.
 
 A sequence's entry holds its KV for every token (as the engine's cache stores them: its dtype, and
-the float8 cache's scales) and, for a MoE model, the experts each token was routed to (routing
-replay needs the prompt's too). `match` finds the longest stored sequence that is a proper prefix
+the float8 cache's scales) and what each token chose (`sampling.choices`: a MoE model's experts,
+a DSA model's keys; replay needs the prompt's too). `match` finds the longest stored sequence that is a proper prefix
 of a prompt. Memory is bounded by `capacity` tokens: the least recently used entries are evicted
 (a later request that needed one prefills in full, as without the cache). An entry is dropped
 once every request that stored it has been extended by its own next request or released (its
@@ -53,14 +53,15 @@ def prefix_tokens(config: Any, dtype: str, budget_bytes: float) -> int:
 @dataclasses.dataclass(frozen=True)
 class Prefix:
     """The KV of one token sequence: k, v [layers, n, heads, width] (`ModelConfig.cache_entries`);
-    k_scale, v_scale [layers, n, heads] for a float8 cache; routing [n, MoE layers, k] for a MoE model."""
+    k_scale, v_scale [layers, n, heads] for a float8 cache; routing: each recorded choice [n, ...]
+    (`sampling.choices`: a MoE model's experts, a DSA model's keys)."""
 
     ids: tuple[int, ...]
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
-    routing: np.ndarray | None = None
+    routing: dict[str, np.ndarray] | None = None  # the tokens' recorded choices (`sampling.choices`)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -262,12 +263,14 @@ class PrefillWindow:
     def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return jnp.asarray(self.tokens), jnp.asarray(self.mask), jnp.asarray(self.positions)
 
-    def prompt_routing(self, window_routing: np.ndarray, prefix: Prefix | None, length: int) -> np.ndarray:
-        """A prompt's experts per token [length, ...]: the stored prefix's before the window, the
-        window's (this row's, [width, ...]) after."""
+    def prompt_routing(self, window_routing: dict[str, np.ndarray], prefix: Prefix | None,
+                       length: int) -> dict[str, np.ndarray]:
+        """A prompt's recorded choices per token (`sampling.choices`; each [length, ...]): the
+        stored prefix's before the window, the window's (this row's, [width, ...]) after."""
         S = self.width
-        before = [] if length <= S else [prefix.routing[:length - S]]
-        return np.concatenate([*before, window_routing[max(0, S - length):]])
+        return {name: np.concatenate([*([] if length <= S else [prefix.routing[name][:length - S]]),
+                                      np.asarray(part)[max(0, S - length):]])
+                for name, part in window_routing.items()}
 
 
 def prefill_window(config: Any, dtype: str, prompts: Sequence[Sequence[int]], prefixes: Sequence[Prefix | None],

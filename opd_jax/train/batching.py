@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -76,30 +78,38 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, pad_id: int, le
     response_mask = 1 exactly on the model's tokens (the stop tokens included); logp_infer = the
     engine's log-prob there; token_rewards = each turn's reward on its last model token; rewards
     = the episode's return (or `rewards`, one per row); bootstrap = 1 for a truncated episode.
-    Rollouts of a MoE engine bring their expert ids (routing, -1 past what the engine recorded)."""
+    Rollouts of a MoE engine bring their expert ids (routing), a DSA engine's its chosen keys
+    (indices); -1 past what the engine recorded."""
     tokens, attention, _ = pad_rows([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
                                 pad_id=pad_id, length=length)
     response = np.zeros(tokens.shape, np.float32)
     logp = np.zeros(tokens.shape, np.float32)
     token_rewards = np.zeros(tokens.shape, np.float32)
-    routed = [t.routed_experts for t in trajectories]
-    routing = None
-    if routed and all(x is not None for x in routed):  # a MoE engine's expert ids, for routing replay
-        routing = np.full((*tokens.shape, *np.shape(routed[0])[1:]), -1, np.int32)
     for i, t in enumerate(trajectories):
         p, n = len(t.prompt_ids), len(t.response_ids)
         response[i, p:p + n] = t.model_mask
         logp[i, p:p + n] = t.logprobs
         token_rewards[i, [p + e for e in t.turn_ends]] = t.turn_rewards
-        if routing is not None:
-            k = min(len(routed[i]), tokens.shape[1])
-            routing[i, :k] = routed[i][:k]
+    routing, indices = (_recorded([getattr(t, name) for t in trajectories], tokens.shape)
+                        for name in ("routed_experts", "index_offsets"))
     returns = np.array([t.reward for t in trajectories] if rewards is None else rewards, np.float32)
     bootstrap = np.array([t.end == "truncated" for t in trajectories], np.float32)
     return RolloutBatch(tokens=jnp.asarray(tokens), attention_mask=jnp.asarray(attention),
                         response_mask=jnp.asarray(response), logp_infer=jnp.asarray(logp),
-                        rewards=jnp.asarray(returns), routing=None if routing is None else jnp.asarray(routing),
+                        rewards=jnp.asarray(returns), routing=routing, indices=indices,
                         token_rewards=jnp.asarray(token_rewards), bootstrap=jnp.asarray(bootstrap))
+
+
+def _recorded(per_row: list[Any], shape: tuple[int, int]) -> jax.Array | None:
+    """An engine's per-token record (experts, DSA keys) of every row, [B, T, ...], -1 past what it
+    recorded; None unless every row has one (for replay)."""
+    if not per_row or any(x is None for x in per_row):
+        return None
+    out = np.full((*shape, *np.shape(per_row[0])[1:]), -1, np.int32)
+    for i, x in enumerate(per_row):
+        k = min(len(x), shape[1])
+        out[i, :k] = np.asarray(x)[:k]
+    return jnp.asarray(out)
 
 
 def truncation_treatment(rollouts: Sequence[Rollout], rewards: np.ndarray, truncated: str = "keep",

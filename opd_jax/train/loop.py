@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from opd_jax.config import TrainConfig, scoring_temperature
+from opd_jax.config import ConfigError, TrainConfig, scoring_temperature
 from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch
 from opd_jax.core.update import trainable
 from opd_jax.models import export_model
@@ -53,8 +53,10 @@ class PPOTask(Task):
         self.data = config.data
         temperature = scoring_temperature(config.rollout)
         self.replays_routing = config.algorithm.ppo.routing_replay == "r3"
+        self.replays_indices = config.algorithm.ppo.index_replay
         self.update = config.algorithm.ppo.update
         self.scoring_fn = functools.partial(score_batch, temperature=temperature, routing_replay=self.replays_routing,
+                                            index_replay=self.replays_indices,
                                             old_logprobs=config.algorithm.ppo.old_logprobs)
         self.step_fn = functools.partial(ppo_step, config=config.algorithm.ppo,
                                          group_size=config.rollout.samples_per_prompt, temperature=temperature,
@@ -64,12 +66,18 @@ class PPOTask(Task):
         check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
                          max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
         check_estimator("algorithm.ppo", self.config.algorithm.ppo, self.config.rollout.samples_per_prompt)
+        if self.config.algorithm.ppo.index_replay and self.config.rollout.engine == "sglang":
+            raise ConfigError("algorithm.ppo.index_replay needs the embedded engine (rollout.engine: embedded): SGLang "
+                              "servers do not return the keys DSA's indexers chose")
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         """The policy; on a run without RL checkpoints yet, warm-started first (RUN_DIR/warm_start/,
         a run of its own: a stop in it keeps its checkpoint and `--resume` continues it); with
         `model.lora`, adapters added first, so the warm start trains them too."""
         self.policy, self.tokenizer = build_model(self.config.model)
+        if self.replays_indices and self.policy.config.dsa is None:
+            raise ConfigError(f"algorithm.ppo.index_replay: the policy ({self.policy.config.family}) has no DSA indexer "
+                              f"to replay; it is for glm_moe_dsa models (GLM-5)")
         self.policy = add_configured_adapters(self.policy, self.config.model, self.config.seed)  # then all phases train them
         if (resuming and checkpoint_steps(run_dir)) or not self.config.sft.steps:
             return {}

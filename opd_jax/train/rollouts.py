@@ -98,10 +98,12 @@ class RolloutSession:
         self.pipe = RolloutPipe(self.engine, self._next_group, max_staleness=rollout.max_staleness,
                                 keep_stale=rollout.keep_stale)
 
-    def mismatch_sources(self, trainer_dtype: str, *, replays_routing: bool) -> dict[str, Any]:
+    def mismatch_sources(self, trainer_dtype: str, *, replays_routing: bool, replays_indices: bool = False
+                         ) -> dict[str, Any]:
         """What the engine is and how it computes unlike the trainer: {"engine", "logprobs",
-        "differs_in": {precision, weights, kv_cache, routing: what the engine does}}; routing is
-        listed for a MoE policy whose engine routes on its own (no replay)."""
+        "differs_in": {precision, weights, kv_cache, routing, indices: what the engine does}};
+        routing is listed for a MoE policy whose engine routes on its own (no replay), indices for
+        a DSA policy whose trainer picks its own keys (no index replay)."""
         differs = EngineNumerics.of(self.rollout).differences(trainer_dtype)
         if self.rollout.inject_weight_noise:
             differs["weight_noise"] = f"{self.rollout.inject_weight_noise:g} std"
@@ -109,6 +111,8 @@ class RolloutSession:
             differs["implementation"] = "sglang"
         if self.policy_config.moe is not None and not replays_routing:
             differs["routing"] = "the engine's own"
+        if self.policy_config.dsa is not None and not replays_indices:
+            differs["indices"] = "the engine's own keys (DSA)"
         return {"engine": self.rollout.engine, "logprobs": self.engine.logprob_convention, "differs_in": differs}
 
     def _update(self, params: nnx.State, version: int):

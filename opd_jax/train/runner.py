@@ -74,6 +74,7 @@ class Task:
     scoring_fn: Callable[[Any, Any], Any] | None = None
     uses_engine = True  # samples its own rollouts (refits, held-out evaluation); False: every batch is supplied
     replays_routing = False  # a MoE policy trains on the engine's experts: the engine must record them
+    replays_indices = False  # a DSA policy attends the keys its engine's indexers chose (index replay)
     nonfinite_inputs = "inputs"  # what the step's non-finite count counts, for the error message
 
     rows_name = "rollouts"  # what a step's rows are
@@ -285,7 +286,8 @@ def _run(config: Any, task: Task, run_dir: Path, directory: RunDirectory, mesh: 
             session = RolloutSession(rollout=config.rollout, data=task.data, seed=config.seed, policy=task.policy,
                                      params=task.policy_params(state), tokenizer=task.tokenizer, run_dir=run_dir,
                                      version=start, resume=meta, record_routing=task.replays_routing)
-            directory.note(engine=session.mismatch_sources(task.trainer_dtype, replays_routing=task.replays_routing))
+            directory.note(engine=session.mismatch_sources(task.trainer_dtype, replays_routing=task.replays_routing,
+                                                           replays_indices=task.replays_indices))
         log = MetricsLog(run_dir, config.steps, start, tensorboard=config.logging.tensorboard,
                          progress_bar=config.logging.progress_bar, description=task.description or task.command)
         try:
