@@ -250,6 +250,20 @@ def numpy_flips(own: np.ndarray, engine: np.ndarray, valid: np.ndarray) -> np.nd
     return np.asarray(flips)
 
 
+def other_indexers_rollouts(model: Decoder, slots: int | None = None, temperature: float = 1.0) -> list:
+    """Rollouts of an engine whose indexers differ from `model`'s (their weights perturbed, every
+    other weight the same): it attends other keys for some tokens."""
+    engine = Decoder(GLM5, rngs=nnx.Rngs(0))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    layers, rng = pure["backbone"]["layers"], np.random.default_rng(9)
+    for name in [n for n in layers if n.startswith("index_") and not n.endswith(("norm", "bias"))]:
+        layers[name] = layers[name] + rng.normal(size=layers[name].shape).astype(np.float32) * np.std(layers[name])
+    nnx.update(engine, pure)
+    prompts = [list(rng.integers(0, GLM5.vocab_size, n)) for n in (3, 11, 7, 9)]
+    return Sampler(engine, max_cache_len=64, slots=slots).generate(
+        prompts, SamplingParams(max_new_tokens=14, temperature=temperature), jax.random.key(3))
+
+
 @pytest.mark.parametrize("slots,pack", [(None, False), (3, True)])
 def test_index_replay_attends_the_engines_keys(model, slots, pack):
     """An engine whose indexers differ from the trainer's (their weights perturbed, every other
@@ -264,15 +278,7 @@ def test_index_replay_attends_the_engines_keys(model, slots, pack):
     from opd_jax.envs import Trajectory
     from opd_jax.train.batching import trajectories_to_batch
 
-    engine = Decoder(GLM5, rngs=nnx.Rngs(0))
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    layers, rng = pure["backbone"]["layers"], np.random.default_rng(9)
-    for name in [n for n in layers if n.startswith("index_") and not n.endswith(("norm", "bias"))]:
-        layers[name] = layers[name] + rng.normal(size=layers[name].shape).astype(np.float32) * np.std(layers[name])
-    nnx.update(engine, pure)
-    prompts = [list(rng.integers(0, GLM5.vocab_size, n)) for n in (3, 11, 7, 9)]
-    rollouts = Sampler(engine, max_cache_len=64, slots=slots).generate(
-        prompts, SamplingParams(max_new_tokens=14, temperature=1.0), jax.random.key(3))
+    rollouts = other_indexers_rollouts(model, slots)
     for r in rollouts:
         offsets = np.asarray(r.index_offsets)
         n = len(r.prompt_ids) + len(r.output_ids)
@@ -333,3 +339,48 @@ def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine
     with pytest.raises(ConfigError, match=r"algorithm.ppo.index_replay: the policy \(llama\) has no DSA indexer"):
         train(load_config(None, [*TINY, "steps=1", "algorithm.ppo.index_replay=true",
                                  f"logging.run_dir={tmp_path / 'llama'}"]))
+
+
+def test_an_opd_step_replays_a_glm5_students_keys_in_its_scoring_and_its_update(model):
+    """OPD with a GLM-5 student whose engine's indexers differ: with `index_replay` its θ_old
+    log-probs are the engine's (without, they are not), and the OPD step equals one SGD step on
+    the sampled-token objective (reverse KL to a GLM-5 teacher through the IcePop-weighted clipped
+    surrogate) written from the formulas, with the engine's keys attended."""
+    import functools
+
+    import optax
+    from ppo_setup import assert_updates_close
+    from test_opd_step import distill_batch
+
+    from opd_jax.core import OPDConfig, PolicyState, opd_step, score_student
+    from opd_jax.envs import Trajectory
+    from opd_jax.train.batching import trajectories_to_batch
+
+    T, lr = 0.7, 0.05
+    rollouts = other_indexers_rollouts(model, temperature=T)
+    batch = trajectories_to_batch([Trajectory.single_turn(r, 0.0) for r in rollouts], pad_id=0)
+    state = PolicyState.create(model, optax.sgd(lr))
+    replayed = score_student(state, batch, temperature=T, index_replay=True)
+    own = score_student(state, batch, temperature=T)
+    m = np.asarray(batch.response_mask)
+    np.testing.assert_allclose(np.asarray(replayed.logp_old) * m, np.asarray(batch.logp_infer) * m, atol=1e-5)
+    assert np.abs(np.asarray(own.logp_old) - np.asarray(batch.logp_infer))[m > 0].max() > 1e-2
+    teacher = peaked(Decoder(GLM5, rngs=nnx.Rngs(9)))
+    distill = distill_batch(replayed, [teacher], np.zeros(len(rollouts), np.int64), "sampled")
+    step = jax.jit(functools.partial(opd_step, config=OPDConfig(index_replay=True), num_teachers=1, temperature=T))
+    new, _ = step(state, distill)
+    r = distill.rollout
+    adv = (distill.logp_teacher - r.logp_old) * r.response_mask
+    k = jnp.exp(r.logp_old - r.logp_infer)
+    w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * r.response_mask
+
+    def objective(p):
+        logits = nnx.merge(state.graphdef, p)(r.tokens, attention_mask=r.attention_mask, indices=r.indices,
+                                              replay_indices=r.attention_mask > 0) / T
+        logp = jnp.pad(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), r.tokens[:, 1:, None], -1)[..., 0],
+                       ((0, 0), (1, 0)))
+        ratio = jnp.exp(logp - r.logp_old)
+        per = -w * jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv)
+        return jnp.sum(per * r.response_mask) / jnp.sum(r.response_mask)
+    expected = jax.tree.map(lambda p, g: p - lr * g, state.params, jax.grad(objective)(state.params))
+    assert_updates_close(new.params, expected, state.params)

@@ -222,14 +222,18 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
     """One cell, three seeds, one run at a time: interrupted (SIGINT to the sweep and its run) once
     the second seed's run has a checkpoint: the third, still queued, never starts. Run again: the
     first seed's run is kept as it was (one attempt), the second resumes from its checkpoint, the
-    third runs, and sweep.json equals that of an uninterrupted sweep of the same file, run in this
-    process (`in_process`): the same command there gives the same runs as in its own process."""
+    third runs, and sweep.json equals that of an uninterrupted sweep of the same file run with
+    `--in-process` (every run in the sweep's one process): the same commands give the same runs."""
     path = write_sweep(tmp_path, cells=[{"name": "a"}], seeds=3,
                        overrides=dict(item.split("=", 1) for item in SMALL), metrics=["policy/entropy"])
     monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # every run: one device
     env = dict(os.environ)
-    whole = run_sweep(Sweep(path, tmp_path / "whole"), echo=lambda _: None, in_process=True)
+    # a process of one device, as each of the other sweep's runs is (this one has eight)
+    done = subprocess.run([sys.executable, "-m", "opd_jax.cli", "sweep", str(path), "--out", str(tmp_path / "whole"),
+                           "--in-process"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "opd-jax train: new run in" in (tmp_path / "whole" / "a" / "seed0.log").read_text()  # its output: in its log
+    whole = json.loads((tmp_path / "whole" / "sweep.json").read_text())
     part = tmp_path / "part"
     process = subprocess.Popen([sys.executable, "-m", "opd_jax.cli", "sweep", str(path), "--out", str(part)],
                                env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -244,7 +248,8 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs_and_gives_
             f"interrupted ones resume)") in output, output
     assert json.loads((part / "a" / "seed1" / "run.json").read_text())["status"] != "finished", output
     assert not (part / "a" / "seed2").exists(), output
-    resumed = run_sweep(Sweep(path, part), echo=lambda _: None)
+    run_sweep(Sweep(path, part), echo=lambda _: None)
+    resumed = json.loads((part / "sweep.json").read_text())
     attempts = [json.loads((part / "a" / f"seed{s}" / "run.json").read_text())["attempts"] for s in (0, 1, 2)]
     assert [len(a) for a in attempts] == [1, 2, 1] and attempts[1][1]["resumed_from"] is not None
     assert json.dumps(untimed(resumed), sort_keys=True) == json.dumps(untimed(whole), sort_keys=True)

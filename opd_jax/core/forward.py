@@ -130,10 +130,11 @@ def values_and_final(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBa
 
 
 def policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, temperature: float = 1.0,
-                    microbatches: int = 1, replay: bool = False) -> jax.Array:
+                    microbatches: int = 1, replay: bool = False, index_replay: bool = False) -> jax.Array:
     """Per-token log-probs under fixed parameters, at softmax(logits / temperature), in
     `microbatches` slices, zero off the response mask: θ_old of PPO and OPD, or a frozen
-    reference for the KL term. replay: a MoE model uses the engine's routing (R3)."""
-    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature, replay=replay)[0],
-                    batch, microbatches)
+    reference for the KL term. replay: a MoE model uses the engine's routing (R3); index_replay:
+    a DSA model the engine's chosen keys."""
+    logp = map_rows(lambda b: sequence_logprobs(graphdef, params, b, temperature=temperature, replay=replay,
+                                                index_replay=index_replay)[0], batch, microbatches)
     return jnp.where(batch.response_mask > 0, logp, 0.0)

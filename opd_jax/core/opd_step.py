@@ -91,6 +91,8 @@ class OPDConfig:
     """Epochs, mini-batches and micro-batches of each step (shared with PPO)."""
     routing_replay: RoutingReplay = "none"
     """MoE student: r3 scores θ_old and trains with the engine's experts for every token it routed (as PPO's)."""
+    index_replay: bool = False
+    """DSA student (GLM-5): score θ_old and train attending the keys the engine's indexers chose (as PPO's)."""
 
     def __post_init__(self):
         if self.loss not in DISTILL_LOSSES:
@@ -141,11 +143,13 @@ class DistillBatch:
 # --- forward passes -------------------------------------------------------------------------
 
 def score_student(state: PolicyState, batch: RolloutBatch, *, temperature: float = 1.0,
-                  microbatches: int = 1, routing_replay: bool = False) -> RolloutBatch:
+                  microbatches: int = 1, routing_replay: bool = False, index_replay: bool = False) -> RolloutBatch:
     """The batch with logp_old filled in: the student's θ_old = state.params (see policy_logprobs);
-    routing_replay: a MoE student scores with the engine's routing (batch.routing; R3)."""
+    routing_replay: a MoE student scores with the engine's routing (batch.routing; R3);
+    index_replay: a DSA student with the engine's chosen keys (batch.indices)."""
     return batch.replace(logp_old=policy_logprobs(state.graphdef, state.params, batch, temperature=temperature,
-                                                  microbatches=microbatches, replay=routing_replay))
+                                                  microbatches=microbatches, replay=routing_replay,
+                                                  index_replay=index_replay))
 
 
 def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *, loss: DistillLoss,
@@ -272,7 +276,8 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
     def loss_fn(p, t: _OPDTargets):
         rollout = t.batch.rollout
         logits = sequence_logits(state.graphdef, p, rollout, unroll=config.update.layer_unroll, temperature=temperature,
-                                 replay=config.routing_replay == "r3", dropout_key=training_key(state.step, rollout.tokens))
+                                 replay=config.routing_replay == "r3", dropout_key=training_key(state.step, rollout.tokens),
+                                 index_replay=config.index_replay)
         logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}

@@ -45,6 +45,7 @@ from opd_jax.train import (
     Task,
     add_configured_adapters,
     build_model,
+    check_index_replay,
     check_run_inputs,
     checkpoint_steps,
     run,
@@ -70,8 +71,10 @@ class OPDTask(Task):
         group = config.rollout.samples_per_prompt
         self.update = opd.update
         self.replays_routing = opd.routing_replay == "r3"
+        self.replays_indices = opd.index_replay
         self.scoring_fn = functools.partial(score_student, temperature=self.temperature,
-                                            microbatches=opd.update.microbatches, routing_replay=self.replays_routing)
+                                            microbatches=opd.update.microbatches, routing_replay=self.replays_routing,
+                                            index_replay=self.replays_indices)
         names = self.plan.teacher_names
         unknown = sorted(set(config.divergence_by_teacher) - set(names))
         if unknown:
@@ -89,9 +92,11 @@ class OPDTask(Task):
             models.update({f"teachers.paths.{t.name}": ModelSection(path=str(t.path)) for t in self.plan.teachers})
         check_run_inputs(mesh=self.config.mesh, models=models, data=self.data,
                          max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
+        check_index_replay("opd.index_replay", self.replays_indices, self.config.rollout)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.plan.student)
+        check_index_replay("opd.index_replay", self.replays_indices, self.config.rollout, self.policy.config)
         growth = self.config.grow
         if growth.num_layers or growth.intermediate_size:
             self.policy = grow(self.policy, num_layers=growth.num_layers, intermediate_size=growth.intermediate_size,

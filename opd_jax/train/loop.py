@@ -15,13 +15,13 @@ from typing import Any
 
 import jax
 
-from opd_jax.config import ConfigError, TrainConfig, scoring_temperature
+from opd_jax.config import TrainConfig, scoring_temperature
 from opd_jax.core import PPOState, make_optimizer, ppo_step, score_batch
 from opd_jax.core.update import trainable
 from opd_jax.models import export_model
 from opd_jax.run_files import checkpoint_steps
 from opd_jax.train.build import add_configured_adapters, build_critic, build_model
-from opd_jax.train.preflight import check_estimator, check_run_inputs
+from opd_jax.train.preflight import check_estimator, check_index_replay, check_run_inputs
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import warm_start
 
@@ -66,18 +66,14 @@ class PPOTask(Task):
         check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
                          max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
         check_estimator("algorithm.ppo", self.config.algorithm.ppo, self.config.rollout.samples_per_prompt)
-        if self.config.algorithm.ppo.index_replay and self.config.rollout.engine == "sglang":
-            raise ConfigError("algorithm.ppo.index_replay needs the embedded engine (rollout.engine: embedded): SGLang "
-                              "servers do not return the keys DSA's indexers chose")
+        check_index_replay("algorithm.ppo.index_replay", self.replays_indices, self.config.rollout)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         """The policy; on a run without RL checkpoints yet, warm-started first (RUN_DIR/warm_start/,
         a run of its own: a stop in it keeps its checkpoint and `--resume` continues it); with
         `model.lora`, adapters added first, so the warm start trains them too."""
         self.policy, self.tokenizer = build_model(self.config.model)
-        if self.replays_indices and self.policy.config.dsa is None:
-            raise ConfigError(f"algorithm.ppo.index_replay: the policy ({self.policy.config.family}) has no DSA indexer "
-                              f"to replay; it is for glm_moe_dsa models (GLM-5)")
+        check_index_replay("algorithm.ppo.index_replay", self.replays_indices, self.config.rollout, self.policy.config)
         self.policy = add_configured_adapters(self.policy, self.config.model, self.config.seed)  # then all phases train them
         if (resuming and checkpoint_steps(run_dir)) or not self.config.sft.steps:
             return {}

@@ -198,6 +198,19 @@ def check_engine(key: str, rollout: RolloutSection, config: ModelConfig | None) 
                               f"make them agree (the census and the run's records take {key}.dtype for the engine's)")
 
 
+def check_index_replay(key: str, enabled: bool, rollout: RolloutSection, config: ModelConfig | None = None) -> None:
+    """Index replay (`key`: the config key that turns it on) needs an engine that records the
+    indexers' choices (the embedded one) and, once the policy is built (`config`), a DSA model."""
+    if not enabled:
+        return
+    if rollout.engine == "sglang":
+        raise ConfigError(f"{key} needs the embedded engine (rollout.engine: embedded): SGLang servers do not return "
+                          f"the keys DSA's indexers chose")
+    if config is not None and config.dsa is None:
+        raise ConfigError(f"{key}: the policy ({config.family}) has no DSA indexer to replay; it is for glm_moe_dsa "
+                          f"models (GLM-5)")
+
+
 def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,
                      max_new_tokens: int, rollout: RolloutSection | None = None) -> None:
     """All of a run's inputs; `models` maps each model's config key to its section, the first
