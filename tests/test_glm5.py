@@ -335,7 +335,7 @@ def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine
     assert "routing" not in differs and "indices" not in differs and differs["precision"], differs
     session = SimpleNamespace(rollout=config.rollout, policy_config=GLM5, engine=SimpleNamespace(logprob_convention=""))
     own = RolloutSession.mismatch_sources(session, "float32", replays_routing=True, replays_indices=False)
-    assert own["differs_in"]["indices"] == "the engine's own keys (DSA)"
+    assert own["differs_in"]["indices"] == "the engine's own keys"
     with pytest.raises(ConfigError, match=r"algorithm.ppo.index_replay: the policy \(llama\) has no DSA indexer"):
         train(load_config(None, [*TINY, "steps=1", "algorithm.ppo.index_replay=true",
                                  f"logging.run_dir={tmp_path / 'llama'}"]))

@@ -112,7 +112,7 @@ class RolloutSession:
         if self.policy_config.moe is not None and not replays_routing:
             differs["routing"] = "the engine's own"
         if self.policy_config.dsa is not None and not replays_indices:
-            differs["indices"] = "the engine's own keys (DSA)"
+            differs["indices"] = "the engine's own keys"
         return {"engine": self.rollout.engine, "logprobs": self.engine.logprob_convention, "differs_in": differs}
 
     def _update(self, params: nnx.State, version: int):
