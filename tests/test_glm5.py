@@ -350,7 +350,7 @@ def test_an_opd_step_replays_a_glm5_students_keys_in_its_scoring_and_its_update(
 
     import optax
     from ppo_setup import assert_updates_close
-    from test_opd_step import distill_batch
+    from test_opd_step import distill_batch, sgd_step_on_sampled_objective
 
     from opd_jax.core import OPDConfig, PolicyState, opd_step, score_student
     from opd_jax.envs import Trajectory
@@ -370,17 +370,8 @@ def test_an_opd_step_replays_a_glm5_students_keys_in_its_scoring_and_its_update(
     step = jax.jit(functools.partial(opd_step, config=OPDConfig(index_replay=True), num_teachers=1, temperature=T))
     new, _ = step(state, distill)
     r = distill.rollout
-    adv = (distill.logp_teacher - r.logp_old) * r.response_mask
-    k = jnp.exp(r.logp_old - r.logp_infer)
-    w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * r.response_mask
-
-    def objective(p):
-        logits = nnx.merge(state.graphdef, p)(r.tokens, attention_mask=r.attention_mask, indices=r.indices,
-                                              replay_indices=r.attention_mask > 0) / T
-        logp = jnp.pad(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), r.tokens[:, 1:, None], -1)[..., 0],
-                       ((0, 0), (1, 0)))
-        ratio = jnp.exp(logp - r.logp_old)
-        per = -w * jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv)
-        return jnp.sum(per * r.response_mask) / jnp.sum(r.response_mask)
-    expected = jax.tree.map(lambda p, g: p - lr * g, state.params, jax.grad(objective)(state.params))
+    expected = sgd_step_on_sampled_objective(
+        state, distill, lr, T,
+        lambda model: model(r.tokens, attention_mask=r.attention_mask, indices=r.indices,
+                            replay_indices=r.attention_mask > 0))
     assert_updates_close(new.params, expected, state.params)

@@ -316,17 +316,26 @@ def test_routing_replay_reaches_the_students_scoring_and_its_update():
     config = OPDConfig(routing_replay="r3")
     new, _ = jax.jit(functools.partial(opd_step, config=config, num_teachers=1, temperature=T_SAMPLE))(state, distill)
     r = distill.rollout
+    expected = sgd_step_on_sampled_objective(
+        state, distill, lr, T_SAMPLE,
+        lambda model: model(r.tokens, positions=r.positions, attention_mask=r.attention_mask, routing=r.routing))
+    assert_updates_close(new.params, expected, state.params)
+
+
+def sgd_step_on_sampled_objective(state, distill, lr, temperature, forward):
+    """The parameters after one SGD step (rate lr) on OPD's sampled-token objective, from the
+    formulas: advantage A = log π_teacher − log π_old, IcePop weight w = k on [0.5, 2] (k = π_old /
+    π_engine), −w · min(ρA, clip(ρ, 0.8, 1.28)A) averaged over the response tokens; `forward`
+    (a model -> its logits on the batch) is how the student runs."""
+    r = distill.rollout
     adv = (distill.logp_teacher - r.logp_old) * r.response_mask
     k = jnp.exp(r.logp_old - r.logp_infer)
     w = jnp.where((k >= 0.5) & (k <= 2.0), k, 0.0) * r.response_mask
 
     def objective(p):
-        logits = nnx.merge(state.graphdef, p)(r.tokens, positions=r.positions, attention_mask=r.attention_mask,
-                                              routing=r.routing) / T_SAMPLE
-        prev = log_softmax(logits[:, :-1])
+        prev = log_softmax(forward(nnx.merge(state.graphdef, p))[:, :-1] / temperature)
         logp = jnp.pad(jnp.take_along_axis(prev, r.tokens[:, 1:, None], -1)[..., 0], ((0, 0), (1, 0)))
         ratio = jnp.exp(logp - r.logp_old)
         per = -w * jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv)
         return jnp.sum(per * r.response_mask) / jnp.sum(r.response_mask)
-    expected = jax.tree.map(lambda p, g: p - lr * g, state.params, jax.grad(objective)(state.params))
-    assert_updates_close(new.params, expected, state.params)
+    return jax.tree.map(lambda p, g: p - lr * g, state.params, jax.grad(objective)(state.params))
