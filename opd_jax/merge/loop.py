@@ -90,12 +90,13 @@ class OPDTask(Task):
         models = {"student": self.plan.student}
         if self.config.teachers.engine == "local":
             models.update({f"teachers.paths.{t.name}": ModelSection(path=str(t.path)) for t in self.plan.teachers})
-        check_run_inputs(mesh=self.config.mesh, models=models, data=self.data,
-                         max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
-        check_index_replay("opd.index_replay", self.replays_indices, self.config.rollout)
+        student = check_run_inputs(mesh=self.config.mesh, models=models, data=self.data,
+                                   max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
+        check_index_replay("opd.index_replay", self.replays_indices, self.config.rollout, student)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         self.policy, self.tokenizer = build_model(self.plan.student)
+        # a GGUF student's architecture is known only now
         check_index_replay("opd.index_replay", self.replays_indices, self.config.rollout, self.policy.config)
         growth = self.config.grow
         if growth.num_layers or growth.intermediate_size:

@@ -63,16 +63,17 @@ class PPOTask(Task):
                                          with_targets=config.logging.dump_rollouts)
 
     def check_inputs(self) -> None:
-        check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
-                         max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
+        model = check_run_inputs(mesh=self.config.mesh, models={"model": self.config.model}, data=self.config.data,
+                                 max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
         check_estimator("algorithm.ppo", self.config.algorithm.ppo, self.config.rollout.samples_per_prompt)
-        check_index_replay("algorithm.ppo.index_replay", self.replays_indices, self.config.rollout)
+        check_index_replay("algorithm.ppo.index_replay", self.replays_indices, self.config.rollout, model)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         """The policy; on a run without RL checkpoints yet, warm-started first (RUN_DIR/warm_start/,
         a run of its own: a stop in it keeps its checkpoint and `--resume` continues it); with
         `model.lora`, adapters added first, so the warm start trains them too."""
         self.policy, self.tokenizer = build_model(self.config.model)
+        # a GGUF policy's architecture is known only now
         check_index_replay("algorithm.ppo.index_replay", self.replays_indices, self.config.rollout, self.policy.config)
         self.policy = add_configured_adapters(self.policy, self.config.model, self.config.seed)  # then all phases train them
         if (resuming and checkpoint_steps(run_dir)) or not self.config.sft.steps:

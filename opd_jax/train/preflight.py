@@ -212,10 +212,11 @@ def check_index_replay(key: str, enabled: bool, rollout: RolloutSection, config:
 
 
 def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,
-                     max_new_tokens: int, rollout: RolloutSection | None = None) -> None:
+                     max_new_tokens: int, rollout: RolloutSection | None = None) -> ModelConfig | None:
     """All of a run's inputs; `models` maps each model's config key to its section, the first
     being the one that reads the prompts of `data` (the config's `data` section) and that the
-    `rollout` engine serves."""
+    `rollout` engine serves. Returns that first model's architecture (None for a GGUF file, read
+    only when the model is built)."""
     check_mesh("mesh", mesh)
     described = [check_model(key, section) for key, section in models.items()]
     for (key, section), (_, config) in zip(models.items(), described):
@@ -234,3 +235,5 @@ def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], da
         if data.has_environments and config is not None and rollout.episodes.max_tokens > config.max_position_embeddings:
             raise ConfigError(f"rollout.episodes.max_tokens is {rollout.episodes.max_tokens}, more than the model's "
                               f"context of {config.max_position_embeddings} tokens")
+    return config
+
