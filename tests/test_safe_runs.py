@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 
 from opd_jax.cli import app
 from opd_jax.config import load_config
-from opd_jax.train import train
 from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.metrics import read_metrics
 from opd_jax.train.run_dir import checkpoint_steps, lock
@@ -187,6 +186,12 @@ def _signal_run(run_dir: Path, sig: int, wait_for: str, *extra: str) -> subproce
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
+def _interrupted(moment: str, *args: str) -> subprocess.CompletedProcess:
+    """`opd-jax ARGS` in its own process, interrupted at `moment` (tests/interrupt_at.py)."""
+    return subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_at.py"), moment, *args],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "1000"}, timeout=1800)
+
+
 def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(straight, tmp_path):
     run_dir = tmp_path / "run"
     # only the end is scheduled for a checkpoint: the one found after the signal is the signal's
@@ -245,45 +250,10 @@ def _garbage_everywhere(file: Path) -> None:
             each.write_bytes(b"\0garbage")
 
 
-def test_a_partly_corrupted_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(straight, tmp_path):
-    """One array file of the latest checkpoint truncated, zeroed or missing (or all of them garbage):
-    its recorded checksums name the file, it is moved aside (kept), the one before restores; the
-    resumed run (truncation, through the CLI) ends as the uninterrupted one, bit for bit."""
-    killed = tmp_path / "killed"
-    train(load_config(None, [*RUN, f"logging.run_dir={killed}"]), stop_after=5)  # "killed": checkpoints 2, 4
-    faults = {"truncated": (_truncate, "is 100 bytes"), "zeroed": (_zero, "differs from what was saved (SHA-256)"),
-              "missing": (Path.unlink, "is missing"), "garbage": (_garbage_everywhere, "bytes, ")}
-    for name, (fault, words) in faults.items():
-        run_dir = tmp_path / name
-        shutil.copytree(killed, run_dir)
-        arrays = sorted((run_dir / "checkpoints" / "4" / "state").glob("ocdbt.process_0/d/*"), key=lambda f: f.stat().st_size)
-        fault(arrays[-1])  # the largest array file
-        if name == "truncated":
-            result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume")
-            assert result.exit_code == 0, result.output
-            notes = [line for line in result.output.splitlines() if "is unreadable" in line]
-            assert "Traceback" not in result.output and "tensorstore" not in result.output.lower()
-            assert "from step 2" in result.output
-            assert_same_run(straight, run_dir)
-        else:
-            notes = []
-            checkpoints = Checkpoints(run_dir / "checkpoints", keep=3, say=notes.append)
-            try:
-                step, _, meta = checkpoints.restore_latest(like_state(run_dir))
-            finally:
-                checkpoints.close()
-            assert step == 2 and "groups_drawn" in meta and "tree" not in meta
-        assert len(notes) == 1 and notes[0].startswith("checkpoint step 4 is unreadable (state/"), (name, notes)
-        assert words in notes[0], (name, notes[0])
-        assert (run_dir / "checkpoints_unreadable" / "4" / "state").is_dir()  # kept, not deleted
-        assert checkpoint_steps(run_dir)[0] == 2
-
-
 def test_ctrl_c_twice_during_a_save_stops_at_once_cleanly_with_a_hint_that_works(tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, "steps=6", "checkpoint.every=2", "sft.steps=0", f"logging.run_dir={run_dir}"]
-    stopped = subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_at.py"), "save", "train", *args],
-                             capture_output=True, text=True, env={**os.environ, "COLUMNS": "1000"}, timeout=1800)
+    stopped = _interrupted("save", "train", *args)
     assert stopped.returncode == 130, stopped.stderr
     lines = [line for line in stopped.stderr.splitlines() if line.strip()]
     assert "Traceback" not in stopped.stderr and "orbax" not in stopped.stderr.lower(), stopped.stderr
@@ -299,22 +269,63 @@ def test_ctrl_c_twice_during_a_save_stops_at_once_cleanly_with_a_hint_that_works
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # the partial save is gone
 
 
-def test_a_stop_during_the_held_out_evaluation_saves_and_evaluates_on_resume(straight, tmp_path):
-    """SIGTERM as the evaluation after step 3 starts: it stops there (no domain evaluated), saves
-    step 3 with its metrics row kept in the checkpoint; the resume evaluates step 3 first and the
-    run ends as the uninterrupted one, metrics rows included."""
+def test_a_stop_in_the_evaluation_a_kill_in_a_save_and_a_corrupted_checkpoint_each_resume_exactly(straight, tmp_path):
+    """One run met by three faults in turn, each resumed from, and it ends as the uninterrupted run
+    bit for bit, metrics rows included:
+    1. SIGTERM as the evaluation after step 3 starts: it stops there (no domain evaluated), saves
+       step 3 with its metrics row kept in the checkpoint, and prints the command that resumes;
+    2. that command, SIGKILLed in the middle of saving step 4 (after its evaluation of step 3): the
+       uncommitted step-4 directory is left behind, the next start removes it, 3 is the latest;
+    3. step 3's largest array file truncated (or zeroed, missing, or all of them garbage, in copies):
+       its recorded checksums name the file, it is moved aside (kept), step 2 restores, and the
+       resume trains on from there."""
     run_dir = tmp_path / "run"
-    stopped = subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_at.py"), "eval", "train", *RUN,
-                              f"logging.run_dir={run_dir}"], capture_output=True, text=True,
-                             env={**os.environ, "COLUMNS": "1000"}, timeout=1800)
+    stopped = _interrupted("eval", "train", *RUN, f"logging.run_dir={run_dir}")
     assert stopped.returncode == 128 + signal.SIGTERM and "Traceback" not in stopped.stderr, stopped.stderr
     last = stopped.stderr.strip().splitlines()[-1]
     assert last.startswith("stopped: SIGTERM during the held-out evaluation after step 3 of 6: checkpoint saved "
                            "(step 3; its evaluation runs on resume)"), last
     assert checkpoint_steps(run_dir) == [2, 3] and [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
-    resumed = cli(*shlex.split(last.split("continue with: ")[1])[1:])
-    assert resumed.exit_code == 0, resumed.output
-    assert_same_run(straight, run_dir)
+    hint = shlex.split(last.split("continue with: ")[1])
+    assert hint[0] == "opd-jax" and "--resume" in hint
+
+    killed = _interrupted("kill", *hint[1:])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert f"resuming {run_dir} from step 3" in killed.stderr, killed.stderr[-2000:]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name] == ["4.orbax-checkpoint-tmp"]
+    assert Checkpoints(run_dir / "checkpoints", keep=3).latest_step() == 3  # and the next start removes it
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]  # rows past 3 are redone
+
+    faults = {"truncated": (_truncate, "is 100 bytes"), "zeroed": (_zero, "differs from what was saved (SHA-256)"),
+              "missing": (Path.unlink, "is missing"), "garbage": (_garbage_everywhere, "bytes, ")}
+    for name in faults:  # copies of the run as the kill left it, for the faults only restored from
+        if name != "truncated":
+            shutil.copytree(run_dir, tmp_path / name)
+    for name, (fault, words) in faults.items():
+        corrupted = run_dir if name == "truncated" else tmp_path / name
+        arrays = sorted((corrupted / "checkpoints" / "3" / "state").glob("ocdbt.process_0/d/*"),
+                        key=lambda f: f.stat().st_size)
+        fault(arrays[-1])  # the largest array file
+        if name == "truncated":
+            result = cli("train", *RUN, f"logging.run_dir={run_dir}", "--resume")
+            assert result.exit_code == 0, result.output
+            notes = [line for line in result.output.splitlines() if "is unreadable" in line]
+            assert "Traceback" not in result.output and "tensorstore" not in result.output.lower()
+            assert "from step 2" in result.output
+            assert_same_run(straight, run_dir)
+        else:
+            notes = []
+            checkpoints = Checkpoints(corrupted / "checkpoints", keep=3, say=notes.append)
+            try:
+                step, _, meta = checkpoints.restore_latest(like_state(corrupted))
+            finally:
+                checkpoints.close()
+            assert step == 2 and "groups_drawn" in meta and "tree" not in meta
+        assert len(notes) == 1 and notes[0].startswith("checkpoint step 3 is unreadable (state/"), (name, notes)
+        assert words in notes[0], (name, notes[0])
+        assert (corrupted / "checkpoints_unreadable" / "3" / "state").is_dir()  # kept, not deleted
+        assert checkpoint_steps(corrupted)[0] == 2
 
 
 def test_a_full_disk_is_reported_and_leaves_no_partial_checkpoint(tmp_path):
