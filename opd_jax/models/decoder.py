@@ -30,6 +30,7 @@ from opd_jax.models.mla import (
     MASKED,
     chunked_attention,
     chunked_topk,
+    index_kl,
     key_offsets,
     layer_norm,
     replayed_topk,
@@ -356,8 +357,8 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
                             cache_kv: tuple | None = None, layer: jax.Array | None = None,
                             write_at: jax.Array | None = None, lora: Adapting = Adapting(),
                             engine: jax.Array | None = None, replay: jax.Array | None = None,
-                            valid: jax.Array | None = None
-                            ) -> tuple[jax.Array, tuple | None, jax.Array | None, jax.Array | None, jax.Array]:
+                            valid: jax.Array | None = None, index_loss: str | None = None
+                            ) -> tuple[jax.Array, tuple | None, jax.Array | None, jax.Array | None, jax.Array, jax.Array]:
     """x + MLA(norm(x)) (`opd_jax.models.mla`); returns it, the cache, the top-k key slots it
     attended (DSA; None where every key is attended: top-k ≥ the keys), and for a layer that runs
     its indexer (`index_w`) its own choice as offsets (`mla.key_offsets`; token_index = each
@@ -365,6 +366,10 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
     record (`engine` offsets [B, T, k]) whose set differs from this choice. A shared layer attends
     the `topk` given (the previous full layer's). Index replay: where `replay` [B, T], the engine's
     choice is attended instead of this model's (`mla.replayed_topk`; a trainer's row only).
+    Training the indexer (`index_loss`, an indexer layer without a cache): its KL to the attention
+    (`mla.index_kl`) over the `valid` queries, as [Σ KL, count] (zeros elsewhere), its inputs cut
+    from the model's graph so that only the KL moves it; "dense": every key attended and the KL
+    over them all (DeepSeek-V3.2's dense warm-up), "sparse": the top-k attended and the KL over it.
 
     Without a cache the keys are the sequence's own. With one, the layer's latent and rotary key
     ([c ‖ k_R], one vector per token) are written into its k and, for an indexer layer, the
@@ -388,24 +393,32 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
                                 layer, write_at)
         stored, keys = _read_cache(cache_kv, layer, x.dtype)
         latent, k_rope, keys = stored[:, :, 0, :m.kv_lora_rank], stored[:, :, 0, m.kv_lora_rank:], keys[:, :, 0]
-    offsets, flips = None, jnp.zeros((), jnp.float32)
-    if index_w is not None and config.dsa.index_topk < allowed.shape[-1]:
+    kv_b = merge_adapters({k: v for k, v in w.items() if base_name(k) == "kv_b"}, lora.scale)["kv_b"]
+    w_uk, w_uv = kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
+    q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk)
+    scale = m.qk_head_dim ** -0.5
+    offsets, flips, kl = None, jnp.zeros((), jnp.float32), jnp.zeros((2,), jnp.float32)
+    chooses = config.dsa is not None and config.dsa.index_topk < allowed.shape[-1] and index_loss != "dense"
+    if index_w is not None and (chooses or index_loss is not None):
+        cut = jax.lax.stop_gradient if index_loss is not None else (lambda a: a)
         if keys is None:
-            keys = index_keys(config, index_w, h, positions, inv_freq)
-        q_index, weights = _index_queries(config, index_w, h, q_c, positions, inv_freq)
-        topk = chunked_topk(q_index, weights, keys, allowed, config.dsa.index_topk)
-        offsets = key_offsets(topk, allowed, *token_index)
-        if engine is not None:
+            keys = index_keys(config, index_w, cut(h), positions, inv_freq)
+        q_index, weights = _index_queries(config, index_w, cut(h), cut(q_c), positions, inv_freq)
+        if chooses:
+            topk = chunked_topk(q_index, weights, keys, allowed, config.dsa.index_topk)
+            offsets = key_offsets(topk, allowed, *token_index)
+        if engine is not None and offsets is not None:
             available = (engine[..., 0] >= 0) & valid
             k = engine.shape[-1]
             flips = flip_fraction(offsets.reshape(-1, k), engine.reshape(-1, k), available.reshape(-1))
             topk = replayed_topk(topk, engine, replay & available)
-    kv_b = merge_adapters({k: v for k, v in w.items() if base_name(k) == "kv_b"}, lora.scale)["kv_b"]
-    w_uk, w_uv = kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
-    q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk)
-    out = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, m.qk_head_dim ** -0.5, topk)
+        if index_loss is not None:
+            per_query = index_kl(q_index, weights, keys, *(cut(a) for a in (q_latent, q_rope, latent, k_rope)),
+                                 allowed, scale, topk)
+            kl = jnp.stack([jnp.sum(jnp.where(valid, per_query, 0.0)), jnp.sum(valid).astype(jnp.float32)])
+    out = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, scale, topk)
     values = jnp.einsum("btnr,rnv->btnv", out, w_uv)
-    return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk, offsets, flips
+    return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk, offsets, flips, kl
 
 
 def _segments(config: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -439,8 +452,8 @@ class Backbone(nnx.Module):
                 attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
                 replay: jax.Array | None = None, segment_ids: jax.Array | None = None,
                 adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
-                indices: jax.Array | None = None, replay_indices: jax.Array | None = None
-                ) -> tuple[jax.Array, RouterInfo | None]:
+                indices: jax.Array | None = None, replay_indices: jax.Array | None = None,
+                index_loss: str | None = None) -> tuple[jax.Array, RouterInfo | None]:
         """The training forward, without a cache: (final hidden states [B, T, hidden], RouterInfo
         of a MoE model or None).
 
@@ -459,6 +472,8 @@ class Backbone(nnx.Module):
         (`mla.key_offsets`; -1: none), attended instead of this model's choice where replay_indices
         [B, T] is set (default: nowhere; index replay) and compared with it everywhere
         (RouterInfo.index_flips); the RouterInfo holds this model's own choices (index_offsets).
+        index_loss ("dense" or "sparse"): the indexers' KL to the attention, to train them
+        (RouterInfo.index_kl; `_latent_attention_block`); "dense" attends every key.
         """
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
@@ -470,7 +485,7 @@ class Backbone(nnx.Module):
         column = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))  # a row's keys are its columns
         hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay,
                                        _adapting(self.config, adapter_ids, dropout_key), (column, column),
-                                       indices, replay_indices)
+                                       indices, replay_indices, index_loss)
         return hidden, info
 
     def extend(self, tokens: jax.Array, cache: KVCache, *, positions: jax.Array,
@@ -512,7 +527,7 @@ class Backbone(nnx.Module):
     def _layers(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array, allowed: jax.Array, kv: Any,
                 write_at: jax.Array | None, unroll: int | bool, routing: jax.Array | None,
                 replay: jax.Array | None, lora: Adapting, token_index: tuple[jax.Array, jax.Array],
-                indices: jax.Array | None, replay_indices: jax.Array | None
+                indices: jax.Array | None, replay_indices: jax.Array | None, index_loss: str | None = None
                 ) -> tuple[jax.Array, Any, RouterInfo | None]:
         """Embedding, every layer (attention where `allowed` [B, T, keys]; keys and values written
         into `kv` at `write_at` when there is a cache) and the final norm. token_index: each
@@ -551,10 +566,11 @@ class Backbone(nnx.Module):
             p, m, f, layer = layer_in
             w = {name: value.astype(dt) for name, value in p.items()}
             adapting = lora.at(layer)
-            chosen = (no_choice, jnp.zeros((), jnp.float32))  # an indexer layer's own offsets and flips
+            # an indexer layer's own offsets, flips and (training the indexer) [Σ KL, queries]
+            chosen = (no_choice, jnp.zeros((), jnp.float32), jnp.zeros((2,), jnp.float32))
             if config.mla is None:
                 x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting)
-            elif not sparse and kv is None:
+            elif not sparse and kv is None and index_loss is None:
                 x = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed, None, token_index,
                                             lora=adapting)[0]
             else:
@@ -563,17 +579,17 @@ class Backbone(nnx.Module):
                 def own(kv, topk):  # this layer runs its indexer
                     index_w = {name: value[row].astype(dt) for name, value in indexing.items()}
                     engine = None if engine_indices is None else engine_indices[jnp.maximum(row, 0)]
-                    x_out, kv, used, offsets, flips = _latent_attention_block(
+                    x_out, kv, used, offsets, flips, kl = _latent_attention_block(
                         config, w, index_w, x, positions, inv_freq, allowed, None, token_index, kv, layer, write_at,
-                        adapting, engine, replay_indices, mask)
+                        adapting, engine, replay_indices, mask, index_loss)
                     if used is None:  # every key attended: nothing chosen
-                        return x_out, kv, topk, (no_choice, flips)
-                    return x_out, kv, used, (offsets, flips)
+                        return x_out, kv, topk, (no_choice, flips, kl)
+                    return x_out, kv, used, (offsets, flips, kl)
 
                 def shared(kv, topk):
                     x_out, kv = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed,
-                                                        topk if sparse else None, token_index, kv, layer, write_at,
-                                                        adapting)[:2]
+                                                        topk if sparse and index_loss != "dense" else None,
+                                                        token_index, kv, layer, write_at, adapting)[:2]
                     return x_out, kv, topk, chosen
 
                 x, kv, topk, chosen = jax.lax.cond(row >= 0, own, shared, kv, topk)
@@ -598,10 +614,12 @@ class Backbone(nnx.Module):
             indexed.append(chosen)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
         index_info = {}
-        if sparse:  # each indexer layer's own choice [B, T, indexer layers, k] and flips [indexer layers]
-            rows = jnp.asarray(config.indexer_layers, jnp.int32)
-            offsets, flips = (jnp.concatenate(parts)[rows] for parts in zip(*indexed))
+        rows = None if config.dsa is None else jnp.asarray(config.indexer_layers, jnp.int32)
+        offsets, flips, kl = (jnp.concatenate(parts)[rows] if rows is not None else None for parts in zip(*indexed))
+        if sparse and index_loss != "dense":  # each indexer layer's own choice [B, T, indexer layers, k], flips
             index_info = dict(index_offsets=jnp.moveaxis(offsets, 0, 2), index_flips=flips)
+        if index_loss is not None:  # [indexer layers, 2]: Σ KL over the valid queries, their count
+            index_info["index_kl"] = kl
         if not used:
             if not index_info:
                 return x, kv, None
@@ -643,13 +661,13 @@ class Decoder(nnx.Module):
                  attention_mask: jax.Array | None = None, unroll: int | bool = 1, routing: jax.Array | None = None,
                  replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None,
                  adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
-                 indices: jax.Array | None = None, replay_indices: jax.Array | None = None
-                 ) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
+                 indices: jax.Array | None = None, replay_indices: jax.Array | None = None,
+                 index_loss: str | None = None) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
         """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone.forward)."""
         hidden, info = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
                                              routing=routing, replay=replay, segment_ids=segment_ids,
                                              adapter_ids=adapter_ids, dropout_key=dropout_key, indices=indices,
-                                             replay_indices=replay_indices)
+                                             replay_indices=replay_indices, index_loss=index_loss)
         return (self.logits(hidden), info) if return_routing else self.logits(hidden)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -196,6 +196,42 @@ def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
                             (q_latent, q_rope, allowed, topk), chunk)
 
 
+def index_kl(q_index: jax.Array, weights: jax.Array, keys: jax.Array, q_latent: jax.Array, q_rope: jax.Array,
+             latent: jax.Array, k_rope: jax.Array, allowed: jax.Array, scale: float,
+             topk: jax.Array | None = None) -> jax.Array:
+    """DeepSeek-V3.2's objective for the indexer, per query [B, T]:
+
+        KL(t) = Σ_s p_t(s) · (log p_t(s) − log softmax_s(I(t, ·))(s)),
+        p_t = Σ_h A_h(t, ·) / Σ_h Σ_s A_h(t, s)   (the attention's distribution, summed over heads)
+
+    with A_h the absorbed-form attention of head h (`mla_attention`'s, without top-k) and I the
+    indexer's scores (`index_scores`); p is a target (no gradient). Over every `allowed` key (the
+    dense warm-up: the model attends them all) or, given `topk` [B, T, k] key slots (-1: none),
+    over the chosen keys alone, p and the softmax renormalised there (the sparse stage). A query
+    with no allowed key has KL 0. Float32."""
+    chex.assert_rank([q_index, weights, keys, q_latent, q_rope, latent, k_rope, allowed], [4, 3, 3, 4, 4, 3, 3, 3])
+    f32 = jnp.float32
+
+    def per_chunk(q):
+        qi, w, ql, qr, ok, chosen = q
+        scores = (jnp.einsum("btnr,bsr->btns", ql, latent, preferred_element_type=f32)
+                  + jnp.einsum("btnd,bsd->btns", qr, k_rope, preferred_element_type=f32)) * scale
+        scores = jnp.where(ok[:, :, None, :], scores, MASKED)
+        target = jnp.sum(jax.nn.softmax(scores, axis=-1), axis=2)  # [B, c, S]
+        index = index_scores(qi, keys, w)
+        if chosen is not None:
+            slot = jnp.maximum(chosen, 0)
+            ok = jnp.take_along_axis(ok, slot, axis=-1) & (chosen >= 0)
+            target, index = (jnp.take_along_axis(x, slot, axis=-1) for x in (target, index))
+        target = jnp.where(ok, target, 0.0)
+        target = jax.lax.stop_gradient(target / jnp.maximum(jnp.sum(target, -1, keepdims=True), 1e-30))
+        log_q = jax.nn.log_softmax(jnp.where(ok, index, MASKED), axis=-1)
+        terms = jnp.where(ok & (target > 0), target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0)
+        return jnp.sum(terms, axis=-1)
+
+    return _by_query_chunks(per_chunk, (q_index, weights, q_latent, q_rope, allowed, topk), QUERY_CHUNK)
+
+
 def key_offsets(topk: jax.Array, allowed: jax.Array, query_index: jax.Array, key_index: jax.Array) -> jax.Array:
     """Index replay's record of a top-k choice: how many tokens back each chosen key is,
     query_index[t] − key_index[topk[t, j]] ([B, T, k] int32; -1 where the slot is not an allowed

@@ -150,6 +150,8 @@ class RouterInfo:
     # (-1: none), and of the tokens with an engine record, those whose set differs [indexer layers]
     index_offsets: jax.Array | None = None
     index_flips: jax.Array | None = None
+    # training the indexers (`index_loss`): per indexer layer, [Σ KL to the attention, queries] [indexer layers, 2]
+    index_kl: jax.Array | None = None
 
 
 def router_stats(logits: jax.Array, ids: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
