@@ -383,20 +383,38 @@ def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine
     with index replay and routing replay: the steps measure how many key sets the trainer would
     have chosen otherwise (policy/dsa/flip_frac, per indexer layer) and the run's record of the
     engine lists neither the keys nor the routing as differing (without index replay it lists the
-    keys). index_replay on a model without DSA is one line naming it."""
+    keys). Its warm start trains the indexers too (sft.indexer: a dense step, then a sparse one):
+    the RL run's policy carries the indexers it trained (not their initialisation) and keeps them
+    frozen, its checkpoint holding them. index_replay or sft.indexer on a model without DSA is one
+    line naming it."""
     from types import SimpleNamespace
 
     from train_loop_settings import GLM5 as FRESH
-    from train_loop_settings import TINY
+    from train_loop_settings import TINY, like_state
 
     from opd_jax.config import ConfigError, load_config
     from opd_jax.train import read_metrics, train
+    from opd_jax.train.checkpoint import Checkpoints
     from opd_jax.train.rollouts import RolloutSession
 
-    config = load_config(None, [*TINY, *FRESH, "steps=2", "sft.steps=1", "rollout.dtype=bfloat16",
-                                "algorithm.ppo.routing_replay=r3", "algorithm.ppo.index_replay=true",
-                                "logging.eval_every=2", "checkpoint.every=2", f"logging.run_dir={tmp_path / 'run'}"])
+    config = load_config(None, [*TINY, *FRESH, "steps=2", "sft.steps=2", "sft.indexer={dense_steps: 1}",
+                                "rollout.dtype=bfloat16", "algorithm.ppo.routing_replay=r3",
+                                "algorithm.ppo.index_replay=true", "logging.eval_every=2", "checkpoint.every=2",
+                                f"logging.run_dir={tmp_path / 'run'}"])
     done = train(config)
+    warm = read_metrics(done / "warm_start" / "metrics.jsonl")
+    assert [r["step"] for r in warm if r.get("sft/index_kl", -1) >= 0] == [1, 2], warm
+    checkpoints = Checkpoints(done / "checkpoints", keep=1)
+    try:
+        state, _ = checkpoints.restore(2, like_state(done))
+    finally:
+        checkpoints.close()
+    fresh = like_state(done)  # the policy as the config initialises it
+    layers = lambda tree: nnx.to_pure_dict(tree)["backbone"]["layers"]  # noqa: E731
+    for name, value in layers(state.policy).items():
+        if name.startswith("index_"):  # trained in the warm start (the norm's bias may start where it ends)
+            assert name.endswith("_bias") or not np.array_equal(value, layers(fresh.policy)[name]), name
+    assert not any("index_" in str(path) for path, _ in jax.tree_util.tree_leaves_with_path(state.policy_opt))
     rows = [r for r in read_metrics(done / "metrics.jsonl") if "policy/dsa/flip_frac" in r]
     assert len(rows) == 2 and all(0 <= r["policy/dsa/flip_frac"] <= 1 for r in rows)
     assert {"policy/dsa/indexer0/flip_frac", "policy/dsa/indexer1/flip_frac"} <= set(rows[0])
@@ -408,6 +426,9 @@ def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine
     with pytest.raises(ConfigError, match=r"algorithm.ppo.index_replay: the policy \(llama\) has no DSA indexer"):
         train(load_config(None, [*TINY, "steps=1", "algorithm.ppo.index_replay=true",
                                  f"logging.run_dir={tmp_path / 'llama'}"]))
+    with pytest.raises(ConfigError, match=r"sft.indexer: the policy \(llama\) has no DSA indexer to train"):
+        train(load_config(None, [*TINY, "steps=1", "sft.steps=1", "sft.indexer={dense_steps: 0}",
+                                 f"logging.run_dir={tmp_path / 'llama2'}"]))
 
 
 def test_an_opd_step_replays_a_glm5_students_keys_in_its_scoring_and_its_update(model):

@@ -453,6 +453,18 @@ class DataSection(Section):
         return any(spec.environment is not None for spec in self.train)
 
 
+class IndexerTrainingSection(Section):
+    """A GLM-5 (DSA) policy's indexers trained in the supervised steps by DeepSeek-V3.2's rule: a
+    KL from the attention's head-summed distribution to the indexer's softmax over the keys
+    (docs/models.md), beside the cross-entropy, which never reaches them. Everywhere else (RL, the
+    merge) they stay as they are."""
+
+    dense_steps: int = Field(0, ge=0)
+    """The first this many steps attend every key and take the KL over them all (the dense
+    warm-up: a fresh indexer's choice is random); later steps attend the indexers' top-k and take
+    it over those keys (the sparse stage)."""
+
+
 class SFTSection(Section):
     """Supervised warm start on the training domains' reference answers before RL (steps = 0:
     none). RL needs a policy that sometimes succeeds."""
@@ -469,6 +481,8 @@ class SFTSection(Section):
     pack: bool | Literal["auto"] = "auto"
     """Train on packed rows (demonstrations end to end, attention kept within each; auto: when
     that takes fewer rows than padding; see algorithm.ppo.update.pack)."""
+    indexer: IndexerTrainingSection | None = None
+    """GLM-5 (DSA) policies: train the indexers too (null: they stay as loaded or initialised)."""
 
 
 class CheckpointSection(Section):

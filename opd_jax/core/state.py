@@ -21,11 +21,14 @@ class PolicyState:
     opt: optax.OptState
     graphdef: nnx.GraphDef = flax.struct.field(pytree_node=False)
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    # a DSA model's indexers trained too, by their KL to the attention (`sft_step`)
+    trains_indexer: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
-    def create(cls, model: Decoder, tx: optax.GradientTransformation) -> PolicyState:
+    def create(cls, model: Decoder, tx: optax.GradientTransformation, *, trains_indexer: bool = False) -> PolicyState:
         graphdef, params = nnx.split(model, nnx.Param)
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(trainable(params)), graphdef=graphdef, tx=tx)
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt=tx.init(trainable(params, indexer=trains_indexer)),
+                   graphdef=graphdef, tx=tx, trains_indexer=trains_indexer)
 
     def model(self) -> Decoder:
         return nnx.merge(self.graphdef, self.params)

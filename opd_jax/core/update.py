@@ -103,8 +103,8 @@ def _is_variable(x: Any) -> bool:
 
 def _indexer(path: tuple) -> bool:
     # DSA's indexer (GLM-5, opd_jax.models.mla) picks keys: a discrete choice no loss gradient
-    # reaches. An optimizer would only decay it, so it stays as loaded (DeepSeek-V3.2 trains it
-    # apart, by a KL to dense attention).
+    # reaches. An optimizer would only decay it, so it stays as loaded unless a step trains it by
+    # its own objective (DeepSeek-V3.2's KL to the attention: `sft_step` of a state that trains it).
     return isinstance(path[-1], str) and path[-1].startswith("index_")
 
 
@@ -113,24 +113,25 @@ def _trains(path: tuple, x: Any) -> bool:
     return isinstance(x, nnx.LoRAParam) or path[-1] in ("value_head", "value_bias")
 
 
-def split_trainable(params: Any) -> tuple[Any, Any]:
+def split_trainable(params: Any, *, indexer: bool = False) -> tuple[Any, Any]:
     """(what a step trains, the frozen rest): a model with LoRA adapters trains only its adapters
     (and a critic its value head), its base frozen; any other model trains everything but DSA's
-    indexer, which no gradient reaches (rest None where nothing is frozen). Gradients, optimizer
-    state and updates cover the first part only."""
+    indexer, which no loss gradient reaches, unless `indexer` (a step that trains it by its KL to
+    the attention) (rest None where nothing is frozen). Gradients, optimizer state and updates
+    cover the first part only."""
     if not isinstance(params, nnx.State):
         return params, None
     paths = nnx.to_flat_state(params)
     if any(isinstance(x, nnx.LoRAParam) for _, x in paths):
         return nnx.split_state(params, _trains, ...)
-    if any(_indexer(path) for path, _ in paths):
+    if not indexer and any(_indexer(path) for path, _ in paths):
         return nnx.split_state(params, lambda path, x: not _indexer(path), ...)
     return params, None
 
 
-def trainable(params: Any) -> Any:
+def trainable(params: Any, *, indexer: bool = False) -> Any:
     """The part of `params` a step trains (`split_trainable`): what an optimizer is initialised on."""
-    return split_trainable(params)[0]
+    return split_trainable(params, indexer=indexer)[0]
 
 
 def joined(trained: Any, frozen: Any) -> Any:
@@ -140,14 +141,15 @@ def joined(trained: Any, frozen: Any) -> Any:
 
 def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]], params: Any,
                      targets: Any, microbatches: int, mask: Callable[[Any], jax.Array],
-                     loss_scale: jmp.LossScale = jmp.NoOpLossScale()) -> tuple[Any, dict[str, jax.Array]]:
+                     loss_scale: jmp.LossScale = jmp.NoOpLossScale(), *, indexer: bool = False
+                     ) -> tuple[Any, dict[str, jax.Array]]:
     """Σ over `microbatches` strided slices of `targets` of grad(loss_scale · loss_fn)(params, slice),
     and the slices' metrics combined by `combine_microbatches` (token counts from `mask(slice)`,
     [rows, T]). loss_fn must already divide by the whole batch's normalizer, so the sum is the
     batch gradient (times the loss scale of a float16 model's optimizer: `loss_scale_of`, which
     `apply_update` divides out). The gradient covers the trainable part of params only
-    (`split_trainable`)."""
-    params, frozen = split_trainable(params)
+    (`split_trainable`, `indexer` as there)."""
+    params, frozen = split_trainable(params, indexer=indexer)
 
     def scaled(p, t):
         loss, metrics = loss_fn(joined(p, frozen), t)
@@ -168,13 +170,14 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, ja
     return grads, combine_microbatches(metrics, counts)
 
 
-def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any
-                 ) -> tuple[Any, Any, dict[str, jax.Array]]:
+def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any, *,
+                 indexer: bool = False) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One optimizer update, skipped (params and optimizer state kept) when any gradient is NaN/inf.
     A loss-scaled optimizer's gradients (`optim.loss_scaled`) are divided by its scale first; an
     overflow halves the scale, and 2000 finite updates in a row double it (jmp). grads and
-    opt_state cover the trainable part of params (`split_trainable`); the rest is kept as it is."""
-    params, frozen = split_trainable(params)
+    opt_state cover the trainable part of params (`split_trainable`, `indexer` as there); the rest
+    is kept as it is."""
+    params, frozen = split_trainable(params, indexer=indexer)
     scale = loss_scale_of(opt_state)
     # unscaling divides by a float32 scale: back to each weight's dtype, or a bfloat16 model's
     # optimizer state would turn float32 at its first update (and differ from a skipped update's)

@@ -147,10 +147,15 @@ class OPDTask(Task):
         rows = self.config.data.prompts_per_step * self.config.rollout.samples_per_prompt
         batch, trajectories, _ = self.pool.batch(pool_rows(len(self.pool.trajectories), rows, self.config.seed, step),
                                                  self.tokenizer.pad_token_id or 0)
-        if self.replays_routing:  # the teachers' samples have no student routing to replay: -1, the student routes
-            moe = self.policy.config
-            batch = batch.replace(routing=np.full((*batch.tokens.shape, len(moe.moe_layers), moe.moe.experts_per_token),
-                                                  -1, np.int32))
+        # the teachers' samples have no engine choices to replay: -1, the student routes and picks its keys
+        # itself (filled, not left out, so a pool step runs the program the other steps compiled)
+        student = self.policy.config
+        if self.replays_routing:
+            batch = batch.replace(routing=np.full((*batch.tokens.shape, len(student.moe_layers),
+                                                   student.moe.experts_per_token), -1, np.int32))
+        if self.replays_indices:
+            batch = batch.replace(indices=np.full((*batch.tokens.shape, len(student.indexer_layers),
+                                                   student.dsa.index_topk), -1, np.int32))
         return batch, trajectories, {}
 
     def extra_inputs(self, batch, rollouts) -> dict[str, Any]:

@@ -147,25 +147,30 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, nnx.State)
 
 
+def _saved(params: Any) -> tuple[Any, Any]:
+    # a DSA model's indexers are saved even where frozen: a warm start may have trained them
+    # (`PolicyState.trains_indexer`), and the run that goes on from it keeps what it trained
+    return split_trainable(params, indexer=True)
+
+
 def trained_part(state: Any) -> Any:
     """What a checkpoint holds of a train state: every parameter tree without its frozen part (a
-    LoRA model's base, GLM-5's indexers: `split_trainable`), which the run rebuilds from its
-    config; a state with nothing frozen is all of it."""
-    return jax.tree.map(lambda x: split_trainable(x)[0] if _is_state(x) else x, state, is_leaf=_is_state)
+    LoRA model's base: `split_trainable`; GLM-5's indexers are kept), which the run rebuilds from
+    its config; a state with nothing frozen is all of it."""
+    return jax.tree.map(lambda x: _saved(x)[0] if _is_state(x) else x, state, is_leaf=_is_state)
 
 
 def with_frozen(trained: Any, like: Any) -> Any:
     """A restored `trained_part` with the frozen parts of `like` (a fresh state of the run) put back."""
-    return jax.tree.map(lambda t, fresh: joined(t, split_trainable(fresh)[1]) if _is_state(fresh) else t,
+    return jax.tree.map(lambda t, fresh: joined(t, _saved(fresh)[1]) if _is_state(fresh) else t,
                         trained, like, is_leaf=_is_state)
 
 
 def frozen_fingerprint(state: Any) -> list[float] | None:
-    """Sums and absolute sums of every frozen leaf of `state` (a LoRA model's base, GLM-5's
-    indexers), rounded: what a checkpoint that leaves them out records to tell that the run rebuilt
-    the same ones.
-    None when nothing is frozen."""
-    frozen = [split_trainable(x)[1] for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
+    """Sums and absolute sums of every leaf of `state` a checkpoint leaves out (a LoRA model's
+    base), rounded: what it records to tell that the run rebuilt the same ones.
+    None when nothing is left out."""
+    frozen = [_saved(x)[1] for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
     leaves = jax.tree.leaves([f for f in frozen if f is not None])
     if not leaves:
         return None

@@ -21,7 +21,7 @@ from opd_jax.core.update import trainable
 from opd_jax.models import export_model
 from opd_jax.run_files import checkpoint_steps
 from opd_jax.train.build import add_configured_adapters, build_critic, build_model
-from opd_jax.train.preflight import check_estimator, check_index_replay, check_run_inputs
+from opd_jax.train.preflight import check_estimator, check_index_replay, check_indexer_training, check_run_inputs
 from opd_jax.train.runner import Task, run
 from opd_jax.train.sft import warm_start
 
@@ -67,6 +67,7 @@ class PPOTask(Task):
                                  max_new_tokens=self.config.rollout.max_new_tokens, rollout=self.config.rollout)
         check_estimator("algorithm.ppo", self.config.algorithm.ppo, self.config.rollout.samples_per_prompt)
         check_index_replay("algorithm.ppo.index_replay", self.replays_indices, self.config.rollout, model)
+        check_indexer_training(self.config.sft, model, self.config.model.lora is not None)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         """The policy; on a run without RL checkpoints yet, warm-started first (RUN_DIR/warm_start/,

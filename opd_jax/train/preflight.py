@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from opd_jax.config import ConfigError, DataSection, ModelSection
-from opd_jax.config.schema import RolloutSection
+from opd_jax.config.schema import RolloutSection, SFTSection
 from opd_jax.core import PPOConfig
 from opd_jax.core.registry import AdvantageInputs
 from opd_jax.data import eval_prompts, read_jsonl, training_stream
@@ -209,6 +209,20 @@ def check_index_replay(key: str, enabled: bool, rollout: RolloutSection, config:
     if config is not None and config.dsa is None:
         raise ConfigError(f"{key}: the policy ({config.family}) has no DSA indexer to replay; it is for glm_moe_dsa "
                           f"models (GLM-5)")
+
+
+def check_indexer_training(section: SFTSection, config: ModelConfig | None, lora: bool) -> None:
+    """sft.indexer trains DSA's indexers: the policy (`config`, its architecture; None: not known
+    yet) must have them, and no LoRA adapters (`lora`: they train alone, the indexers being part
+    of the frozen base)."""
+    if section.indexer is None or not section.steps:
+        return
+    if config is not None and config.dsa is None:
+        raise ConfigError(f"sft.indexer: the policy ({config.family}) has no DSA indexer to train; it is for "
+                          f"glm_moe_dsa models (GLM-5)")
+    if lora:
+        raise ConfigError("sft.indexer: a policy with LoRA adapters trains the adapters alone (the indexers are part "
+                          "of its frozen base); train the indexers without model.lora")
 
 
 def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], data: DataSection,

@@ -30,7 +30,7 @@ from opd_jax.train.checkpoint import Checkpoints
 from opd_jax.train.console import say
 from opd_jax.train.episodes import episode_limits
 from opd_jax.train.errors import RunError
-from opd_jax.train.preflight import check_run_inputs
+from opd_jax.train.preflight import check_indexer_training, check_run_inputs
 from opd_jax.train.runner import Task, run
 
 # the warm start reads its own stream, so RL later sees the same prompts with or without it
@@ -106,7 +106,8 @@ class SupervisedTask(Task):
         self.base_model = base_model
         self.policy, self.tokenizer, self.data, self.description = policy, tokenizer, data, description
         self.update = UpdateConfig(pack=section.pack)
-        self.step_fn = functools.partial(sft_step, router_balance_coef=section.router_balance_coef)
+        self.step_fn = functools.partial(sft_step, router_balance_coef=section.router_balance_coef,
+                                         index_dense_steps=0 if section.indexer is None else section.indexer.dense_steps)
 
     def rows_per_step(self, config: Any) -> int:
         return self.section.batch_size
@@ -114,12 +115,14 @@ class SupervisedTask(Task):
     def check_inputs(self) -> None:
         if self._check is not None:
             self._check()
+        check_indexer_training(self.section, self.policy.config, self.policy.config.lora is not None)
 
     def setup(self, run_dir: Path, mesh: jax.sharding.Mesh, resuming: bool) -> dict[str, float]:
         return {}
 
     def create_state(self) -> PolicyState:
-        return PolicyState.create(self.policy, make_optimizer(self.section.optimizer, compute_dtype=self.trainer_dtype))
+        return PolicyState.create(self.policy, make_optimizer(self.section.optimizer, compute_dtype=self.trainer_dtype),
+                                  trains_indexer=self.section.indexer is not None)
 
     def policy_params(self, state: PolicyState):
         return state.params
