@@ -88,10 +88,10 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
     Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense).
     dropout_key, index_replay: as `sequence_logits`'. index_loss: a DSA model's indexers' KL to
     the attention ("dense" or "sparse"; RouterInfo.index_kl; `Backbone.forward`)."""
-    extra = {} if index_loss is None else {"index_loss": index_loss}
     (logits, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
                                           replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key,
-                                          indices=batch.indices, replay_indices=jnp.asarray(index_replay), **extra)
+                                          indices=batch.indices, replay_indices=jnp.asarray(index_replay),
+                                          index_loss=index_loss)
     logits = logits / temperature if temperature != 1.0 else logits
     # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
     # token (never trained on), and set to 0 as the padded path has it

@@ -128,6 +128,16 @@ def indexer_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
     return jax.lax.top_k(masked, k)[1].astype(jnp.int32)
 
 
+def dense_scores(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, allowed: jax.Array,
+                 scale: float) -> jax.Array:
+    """Every head's attention logits over every key [B, T, n, S] in float32, (q_latent·c +
+    q_R·k_R) · scale, MASKED where not `allowed` [B, T, S]."""
+    f32 = jnp.float32
+    scores = (jnp.einsum("btnr,bsr->btns", q_latent, latent, preferred_element_type=f32)
+              + jnp.einsum("btnd,bsd->btns", q_rope, k_rope, preferred_element_type=f32)) * scale
+    return jnp.where(allowed[:, :, None, :], scores, MASKED)
+
+
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
                   allowed: jax.Array, scale: float, topk: jax.Array | None = None) -> jax.Array:
     """Absorbed-form attention over the latents: the per-head output in latent space [B, T, n, r]
@@ -140,10 +150,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     chex.assert_rank([q_latent, q_rope, latent, k_rope, allowed], [4, 4, 3, 3, 3])
     f32 = jnp.float32
     if topk is None:
-        scores = (jnp.einsum("btnr,bsr->btns", q_latent, latent, preferred_element_type=f32)
-                  + jnp.einsum("btnd,bsd->btns", q_rope, k_rope, preferred_element_type=f32)) * scale
-        scores = jnp.where(allowed[:, :, None, :], scores, MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
+        probs = jax.nn.softmax(dense_scores(q_latent, q_rope, latent, k_rope, allowed, scale), axis=-1)
+        probs = probs.astype(latent.dtype)
         return jnp.einsum("btns,bsr->btnr", probs, latent)
     slot = jnp.maximum(topk, 0)
     take = jax.vmap(lambda values, index: values[index])  # per row: [S, ...] at [T, k] -> [T, k, ...]
@@ -210,14 +218,10 @@ def index_kl(q_index: jax.Array, weights: jax.Array, keys: jax.Array, q_latent: 
     over the chosen keys alone, p and the softmax renormalised there (the sparse stage). A query
     with no allowed key has KL 0. Float32."""
     chex.assert_rank([q_index, weights, keys, q_latent, q_rope, latent, k_rope, allowed], [4, 3, 3, 4, 4, 3, 3, 3])
-    f32 = jnp.float32
 
     def per_chunk(q):
         qi, w, ql, qr, ok, chosen = q
-        scores = (jnp.einsum("btnr,bsr->btns", ql, latent, preferred_element_type=f32)
-                  + jnp.einsum("btnd,bsd->btns", qr, k_rope, preferred_element_type=f32)) * scale
-        scores = jnp.where(ok[:, :, None, :], scores, MASKED)
-        target = jnp.sum(jax.nn.softmax(scores, axis=-1), axis=2)  # [B, c, S]
+        target = jnp.sum(jax.nn.softmax(dense_scores(ql, qr, latent, k_rope, ok, scale), axis=-1), axis=2)  # [B, c, S]
         index = index_scores(qi, keys, w)
         if chosen is not None:
             slot = jnp.maximum(chosen, 0)
