@@ -395,6 +395,7 @@ def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine
     from opd_jax.config import ConfigError, load_config
     from opd_jax.train import read_metrics, train
     from opd_jax.train.checkpoint import Checkpoints
+    from opd_jax.train.metrics import run_summary
     from opd_jax.train.rollouts import RolloutSession
 
     config = load_config(None, [*TINY, *FRESH, "steps=2", "sft.steps=2", "sft.indexer={dense_steps: 1}",
@@ -418,6 +419,8 @@ def test_a_ppo_run_replays_the_engines_keys_and_experts_and_says_what_the_engine
     rows = [r for r in read_metrics(done / "metrics.jsonl") if "policy/dsa/flip_frac" in r]
     assert len(rows) == 2 and all(0 <= r["policy/dsa/flip_frac"] <= 1 for r in rows)
     assert {"policy/dsa/indexer0/flip_frac", "policy/dsa/indexer1/flip_frac"} <= set(rows[0])
+    flips = np.mean([r["policy/dsa/flip_frac"] for r in rows])
+    assert f"index flips {flips:.2%} of token-indexer layers" in run_summary(done, {})
     differs = json.loads((done / "run.json").read_text())["attempts"][-1]["engine"]["differs_in"]
     assert "routing" not in differs and "indices" not in differs and differs["precision"], differs
     session = SimpleNamespace(rollout=config.rollout, policy_config=GLM5, engine=SimpleNamespace(logprob_convention=""))
@@ -465,3 +468,33 @@ def test_an_opd_step_replays_a_glm5_students_keys_in_its_scoring_and_its_update(
         lambda model: model(r.tokens, attention_mask=r.attention_mask, indices=r.indices,
                             replay_indices=r.attention_mask > 0))
     assert_updates_close(new.params, expected, state.params)
+
+
+def test_the_glm5_quickstart_is_glm5s_shape_and_its_answers_attend_sparsely():
+    """configs/quickstart_glm5.yaml (its learning is measured in BENCHMARKS.md over 3 seeds, too
+    long for the suite): MLA, DSA whose indexers are shared by every other layer, routed and shared
+    experts; the warm start trains the indexers and RL replays the engine's keys and experts; and
+    on its task every answer token attends fewer keys than it has (top-k below the shortest
+    prompt), so the indexer decides what the answer reads."""
+    from pathlib import Path
+
+    from opd_jax.config import load_config
+    from opd_jax.data.domains import get_domain
+    from opd_jax.models.char_tokenizer import char_tokenizer
+    from opd_jax.train.build import fresh_model_config
+    from opd_jax.train.preflight import check_indexer_training
+
+    config = load_config(Path(__file__).parents[1] / "configs" / "quickstart_glm5.yaml", [])
+    arch = fresh_model_config(config.model.fresh)
+    assert arch.family == "glm_moe_dsa" and arch.mla is not None and arch.moe.num_shared_experts >= 1
+    assert arch.dsa.indexer_types == ("full", "shared", "full", "shared") and arch.moe_layers == (1, 2, 3)
+    assert config.sft.indexer.dense_steps < config.sft.steps
+    check_indexer_training(config.sft, arch, lora=False)
+    assert config.algorithm.ppo.index_replay and config.algorithm.ppo.routing_replay == "r3"
+    assert config.rollout.dtype == "bfloat16"  # an engine whose choices can differ from the trainer's
+    (source,) = config.data.train
+    sample = get_domain(source.builtin).sampler(**(source.params or {}))
+    tokenizer = char_tokenizer()
+    rng = np.random.default_rng(0)
+    shortest = min(len(tokenizer.encode(sample(rng)[0])) for _ in range(2000))
+    assert arch.dsa.index_topk < shortest, (arch.dsa.index_topk, shortest)

@@ -186,6 +186,8 @@ def run_summary(run_dir: Path, phases: dict[str, float]) -> str:
                 f"outside the band {mean('mismatch_outside_band_frac'):.2%}")
         if "policy/moe/flip_frac" in steps[-1]:
             line += f", routing flips {mean('policy/moe/flip_frac'):.2%} of token-layers"
+        if "policy/dsa/flip_frac" in steps[-1]:
+            line += f", index flips {mean('policy/dsa/flip_frac'):.2%} of token-indexer layers"
         lines.append(line)
     memory = _memory(run_dir)
     if memory is not None:
