@@ -10,7 +10,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from opd_jax.core import OptimizerConfig, PPOConfig
 from opd_jax.data.domains import get_domain
+from opd_jax.models.attention import Implementation
 from opd_jax.models.config import MLA_FAMILIES, MOE_FAMILIES, Family
+from opd_jax.models.execution import Execution, Remat
 from opd_jax.models.lora import ALL_LINEAR, MODULES, LoraConfig
 from opd_jax.parallel import DistributedConfig, MeshConfig
 from opd_jax.rewards.verifiers import VerifierName
@@ -207,6 +209,19 @@ class ModelSection(Section):
     """Initial value head of the critic: all zeros, or small random weights."""
     lora: LoraSection | None = None
     """Train low-rank adapters on a frozen base instead of every weight (unset: full fine-tuning)."""
+    attention: Implementation = "auto"
+    """How the trainer's forward attends: dense ([B, T, T] scores), blockwise (FlashAttention's online softmax and its own backward: memory O(T), not O(T²)), or auto (blockwise once a sequence is longer than attention_block). Results equal to float rounding; docs/long_sequences.md. GLM-5's MLA attends densely by query chunks for now."""  # noqa: E501
+    attention_block: int = Field(512, gt=0)
+    """Queries and keys per block of the blockwise attention."""
+    remat: Remat = "none"
+    """What the backward keeps of each layer's forward: everything (none), only the layer's input, the layer run again (full), the weight matmuls' outputs (dots), or those in host memory (offload: accelerators only)."""  # noqa: E501
+    logits_chunk: int = Field(2048, gt=0)
+    """Tokens whose logits exist at once when the trainer takes log-probs (the LM head runs chunk by chunk, forward and backward; [B, T, vocab] is never held)."""  # noqa: E501
+
+    def execution(self) -> Execution:
+        """How the trainer's forward computes, as these keys say."""
+        return Execution(attention=self.attention, attention_block=self.attention_block, remat=self.remat,
+                         logits_chunk=self.logits_chunk)
 
     @model_validator(mode="after")
     def _one_source(self):

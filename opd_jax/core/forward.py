@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.distributions import shift_right, token_logprobs
+from opd_jax.core.distributions import chunked_token_logprobs, shift_right
 from opd_jax.core.packing import pack_tokens, unpack
 from opd_jax.core.update import map_rows
 from opd_jax.models.moe import RouterInfo
@@ -88,16 +88,18 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
     Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense).
     dropout_key, index_replay: as `sequence_logits`'. index_loss: a DSA model's indexers' KL to
     the attention ("dense" or "sparse"; RouterInfo.index_kl; `Backbone.forward`)."""
-    (logits, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
+    model = nnx.merge(graphdef, params)
+    (hidden, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
                                           replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key,
                                           indices=batch.indices, replay_indices=jnp.asarray(index_replay),
-                                          index_loss=index_loss)
-    logits = logits / temperature if temperature != 1.0 else logits
+                                          index_loss=index_loss, head=False)
+    head = (lambda h: model.logits(h) / temperature) if temperature != 1.0 else model.logits
     # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
     # token (never trained on), and set to 0 as the padded path has it
     first = jnp.arange(batch.tokens.shape[1])[None, :] == 0
+    chunk = model.backbone.execution.logits_chunk
     logp, entropy = (None if x is None else jnp.where(first, 0.0, back(x))
-                     for x in token_logprobs(logits, tokens, with_entropy=with_entropy))
+                     for x in chunked_token_logprobs(hidden, head, tokens, chunk=chunk, with_entropy=with_entropy))
     return (logp, entropy, _with_ids(router, back)) if with_router else (logp, entropy)
 
 

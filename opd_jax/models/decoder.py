@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from opd_jax.models.attention import AttentionMask, attention, dense_attention
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.execution import Execution
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
 from opd_jax.models.mla import (
     LATENT_NORM_EPS,
-    MASKED,
     chunked_attention,
     chunked_topk,
     index_kl,
@@ -211,18 +212,6 @@ def _moe_mlp(config: ModelConfig, h: jax.Array, w: dict[str, jax.Array], forced:
     return out, (ids.reshape(B, T, -1), *router_stats(logits, ids, valid.reshape(-1)), flips)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query softmax(q·kᵀ/√d + mask)·v. q: [B,T,n,d]; k, v: [B,S,kv,d]; allowed: [B,T,S]."""
-    B, T, n, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(B, T, kv, n // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    scores = jnp.where(allowed[:, None, None], scores, MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, n, d)
-
-
 def _spans(slots: int, step: int = 128, most: int = 8) -> list[int]:
     """The slot counts cache attention is compiled for: multiples of `step` (at most `most` of
     them) up to `slots`, the last `slots` itself."""
@@ -248,7 +237,7 @@ def _cache_attention(q: jax.Array, cache_kv: tuple, layer: jax.Array, allowed: j
             return jax.lax.dynamic_slice(x, start, (1, B, span) + x.shape[3:])[0]
         k = _from_cache(read(cache_k), read(k_scale), dtype)
         v = _from_cache(read(cache_v), read(v_scale), dtype)
-        return _attention(q, k, v, allowed[..., :span])
+        return dense_attention(q, k, v, allowed[..., :span])
 
     spans = _spans(S)
     if len(spans) == 1:
@@ -308,11 +297,13 @@ def _read_cache(cache_kv: tuple, layer: jax.Array, dtype: Any) -> tuple[jax.Arra
 
 
 def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
-                     inv_freq: jax.Array, allowed: jax.Array, cache_kv: tuple | None,
-                     layer: jax.Array | None, write_at: jax.Array | None, lora: Adapting = Adapting()):
+                     inv_freq: jax.Array, allowed: jax.Array | AttentionMask, cache_kv: tuple | None,
+                     layer: jax.Array | None, write_at: jax.Array | None, lora: Adapting = Adapting(),
+                     execution: Execution = Execution()):
     """x + attention(norm(x)). With a cache (k, v, k_scale, v_scale), k/v are written into the
     all-layer cache arrays in place (at [layer, :, write_at]) and the layer's slots written so far
-    are attended over, as the cache holds them (`_cache_attention`)."""
+    are attended over, as the cache holds them (`_cache_attention`); without one, where the
+    forward's AttentionMask allows, as `execution.attention` says."""
     dt = x.dtype
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
     q, k, v = (project("bth,hnd->btnd", h, w, name, lora) for name in ("q", "k", "v"))
@@ -327,7 +318,7 @@ def _attention_block(config: ModelConfig, w: dict[str, jax.Array], x: jax.Array,
         cache_kv = _write_cache(cache_kv, (k, v), layer, write_at)
         attn = _cache_attention(q, cache_kv, layer, allowed, jnp.max(write_at) + q.shape[1], dt)
     else:
-        attn = _attention(q, k, v, allowed)
+        attn = attention(q, k, v, allowed, execution.attention, execution.attention_block)
     out = project("btnd,ndh->bth", attn, w, "o", lora)
     if config.o_bias:
         out = out + w["o_bias"]
@@ -444,6 +435,7 @@ class Backbone(nnx.Module):
                  rngs: nnx.Rngs):
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype or param_dtype).name
+        self.execution = Execution()  # how the training forward computes (`set_execution`)
         self.embed = _init(rngs, (config.vocab_size, config.hidden_size), param_dtype, ("vocab", "embed"))
         self.layers = LayerStack(config, param_dtype=param_dtype, rngs=rngs)
         self.final_norm = _init(rngs, (config.hidden_size,), param_dtype, ("norm",), "ones")
@@ -478,10 +470,9 @@ class Backbone(nnx.Module):
         chex.assert_rank(tokens, 2)
         B, T = tokens.shape
         positions, mask = self._positions_and_mask(tokens, positions, attention_mask)
-        allowed = mask[:, None, :] & (jnp.arange(T)[None, None, :] <= jnp.arange(T)[None, :, None])
         if segment_ids is not None:
             chex.assert_shape(segment_ids, (B, T))
-            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        allowed = AttentionMask.causal(mask, segment_ids)
         column = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))  # a row's keys are its columns
         hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay,
                                        _adapting(self.config, adapter_ids, dropout_key), (column, column),
@@ -534,6 +525,9 @@ class Backbone(nnx.Module):
         query's and key slot's token index (DSA's offsets)."""
         B, T = tokens.shape
         config = self.config
+        execution = self.execution
+        if isinstance(allowed, AttentionMask) and config.mla is not None:
+            allowed = allowed.dense()  # MLA attends through [B, T, S] masks (chunked by query)
         dt = jnp.dtype(self.compute_dtype)
         x = self.embed[...].astype(dt)[tokens]
         inv_freq = jnp.asarray(inverse_frequencies(config))
@@ -551,7 +545,8 @@ class Backbone(nnx.Module):
         # One scan per run of consecutive layers of one kind (dense or MoE), so each scan's
         # weights are its own stacked slices. The cache rides in the carry (not xs/ys) so XLA
         # updates it in place instead of restacking every layer's keys and values per decode step.
-        sparse = config.dsa is not None and config.dsa.index_topk < allowed.shape[-1]
+        sparse = config.dsa is not None and config.dsa.index_topk < (
+            allowed.keys if isinstance(allowed, AttentionMask) else allowed.shape[-1])
         # per layer: its row in the indexer's stack (-1: it reuses the previous full layer's top-k)
         index_row = jnp.asarray([config.indexer_layers.index(i) if i in config.indexer_layers else -1
                                  for i in range(config.num_layers)], jnp.int32)
@@ -569,7 +564,8 @@ class Backbone(nnx.Module):
             # an indexer layer's own offsets, flips and (training the indexer) [Σ KL, queries]
             chosen = (no_choice, jnp.zeros((), jnp.float32), jnp.zeros((2,), jnp.float32))
             if config.mla is None:
-                x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting)
+                x, kv = _attention_block(config, w, x, positions, inv_freq, allowed, kv, layer, write_at, adapting,
+                                         execution)
             elif not sparse and kv is None and index_loss is None:
                 x = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed, None, token_index,
                                             lora=adapting)[0]
@@ -602,13 +598,16 @@ class Backbone(nnx.Module):
 
         used, indexed = [], []
         topk = no_choice
+        policy = execution.checkpoint_policy() if kv is None else None  # the training forward only
         for kind, start, stop, first in _segments(config):
             xs = ({k: v[start:stop] for k, v in attention.items()},
                   {k: v[first:first + stop - start] for k, v in mlp[kind].items()},
                   None if forced is None or kind == "dense" else forced[first:first + stop - start],
                   jnp.arange(start, stop))
-            (x, kv, topk), (info, chosen) = jax.lax.scan(functools.partial(body, kind), (x, kv, topk), xs,
-                                                         unroll=unroll)
+            layer_fn = functools.partial(body, kind)
+            if policy is not None:  # the backward recomputes what the policy does not save
+                layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
+            (x, kv, topk), (info, chosen) = jax.lax.scan(layer_fn, (x, kv, topk), xs, unroll=unroll)
             if info is not None:
                 used.append(info)
             indexed.append(chosen)
@@ -648,6 +647,12 @@ class Decoder(nnx.Module):
     def param_dtype(self) -> jnp.dtype:
         return self.backbone.embed[...].dtype
 
+    def set_execution(self, execution: Execution) -> Decoder:
+        """How this model's training forward computes from now on (attention, rematerialisation,
+        log-probs in chunks; `models.execution`); it returns itself."""
+        self.backbone.execution = execution
+        return self
+
     def add_lora(self, lora: LoraConfig, rngs: nnx.Rngs) -> Decoder:
         """Add fresh adapters to this model in place (B zero: its function is unchanged) and return
         it; its config then carries `lora`. A model that has adapters keeps them (ValueError)."""
@@ -662,13 +667,15 @@ class Decoder(nnx.Module):
                  replay: jax.Array | None = None, return_routing: bool = False, segment_ids: jax.Array | None = None,
                  adapter_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
                  indices: jax.Array | None = None, replay_indices: jax.Array | None = None,
-                 index_loss: str | None = None) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
-        """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone.forward)."""
+                 index_loss: str | None = None, head: bool = True) -> jax.Array | tuple[jax.Array, RouterInfo | None]:
+        """Logits [B, T, vocab]; with return_routing also the RouterInfo (see Backbone.forward).
+        head=False: the final hidden states [B, T, hidden] instead (`logits` applies the head)."""
         hidden, info = self.backbone.forward(tokens, positions=positions, attention_mask=attention_mask, unroll=unroll,
                                              routing=routing, replay=replay, segment_ids=segment_ids,
                                              adapter_ids=adapter_ids, dropout_key=dropout_key, indices=indices,
                                              replay_indices=replay_indices, index_loss=index_loss)
-        return (self.logits(hidden), info) if return_routing else self.logits(hidden)
+        out = self.logits(hidden) if head else hidden
+        return (out, info) if return_routing else out
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Output head on final hidden states [..., hidden] -> float32 logits [..., vocab]."""

@@ -49,4 +49,6 @@ class ValueModel(nnx.Module):
         else:
             raise ValueError(f"head_init must be 'zero' or 'small', got {head_init!r}")
         params = {"backbone": backbone, "value_head": head, "value_bias": jnp.zeros((), jnp.float32)}
-        return build_from_params(cls, policy.config, params, compute_dtype=policy.backbone.compute_dtype)
+        critic = build_from_params(cls, policy.config, params, compute_dtype=policy.backbone.compute_dtype)
+        critic.backbone.execution = policy.backbone.execution
+        return critic

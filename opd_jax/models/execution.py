@@ -1,0 +1,37 @@
+"""How a model's training forward computes, apart from what it computes: the knobs that trade
+memory for compute on long sequences (docs/long_sequences.md). None changes a result beyond float
+rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+
+from opd_jax.models.attention import Implementation
+
+Remat = Literal["none", "full", "dots", "offload"]
+"""What the backward keeps of each layer's forward: everything (none), nothing but the layer's
+input (full: the layer is run again), the weight matmuls' outputs (dots), or those moved to host
+memory (offload; accelerators with pinned host memory)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """attention: dense, blockwise (O(T) memory) or auto (blockwise past one block);
+    attention_block: queries and keys per block; remat: the layer scan's rematerialisation;
+    logits_chunk: tokens whose logits exist at once when log-probs are taken (the LM head runs
+    chunk by chunk, forward and backward)."""
+
+    attention: Implementation = "auto"
+    attention_block: int = 512
+    remat: Remat = "none"
+    logits_chunk: int = 2048
+
+    def checkpoint_policy(self):
+        """The jax.checkpoint policy of `remat` (None: no rematerialisation)."""
+        policies = jax.checkpoint_policies
+        return {"none": None, "full": policies.nothing_saveable,
+                "dots": policies.dots_with_no_batch_dims_saveable,
+                "offload": policies.offload_dot_with_no_batch_dims("device", "pinned_host")}[self.remat]

@@ -1,0 +1,118 @@
+"""Long sequences in bounded memory (docs/long_sequences.md): the blockwise attention equals the
+dense one, values and gradients, under padding, holes and packed segments; log-probs taken chunk by
+chunk through the LM head equal the whole-logits ones; and a PPO step with the blockwise attention,
+chunked log-probs and each rematerialisation policy equals the plain step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ppo_setup import STEP_CONFIG, TINY, assert_updates_close, make_state, scored_batch, tiny_models
+
+from opd_jax.core import PPOState, ppo_step
+from opd_jax.core.distributions import chunked_token_logprobs, token_logprobs
+from opd_jax.core.packing import pack_batch
+from opd_jax.models.attention import AttentionMask, blockwise_attention, dense_attention
+from opd_jax.models.execution import Execution
+
+
+def _reference(q, k, v, allowed):
+    """softmax(q·kᵀ/√d) over the allowed keys, in NumPy (grouped queries: head i reads kv head i // g)."""
+    B, T, n, d = q.shape
+    g = n // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("btnd,bsnd->bnts", q, k) / np.sqrt(d)
+    s = np.where(allowed[:, None], s, -np.inf)
+    top = np.max(s, -1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(top), top, 0.0))  # a query with no key: all zeros, never compared
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-30)
+    return np.einsum("bnts,bsnd->btnd", p, v)
+
+
+@pytest.mark.parametrize("blocks", [(8, 16), (16, 8), (64, 64)], ids=["bq8-bk16", "bq16-bk8", "one-block"])
+def test_blockwise_attention_equals_dense_attention_values_and_gradients(blocks):
+    """37 tokens (no multiple of a block), 4 query heads over 2 key heads; row 0 left-padded, row 1
+    with a hole and right padding, then packed into two segments: the outputs of every query that
+    attends anything equal NumPy's softmax and the dense form's to 1e-5, and so do the gradients
+    of a weighted sum of them with respect to q, k and v."""
+    rng = np.random.default_rng(0)
+    B, T, n, kv, d = 2, 37, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, d)), jnp.float32) for h in (n, kv, kv))
+    valid = np.ones((B, T), bool)
+    valid[0, :5] = False
+    valid[1, 10:13] = False
+    valid[1, -6:] = False
+    segments = np.where(valid, np.where(np.arange(T) < 20, 1, 2), 0).astype(np.int32)
+    for seg in (None, jnp.asarray(segments)):
+        mask = AttentionMask.causal(jnp.asarray(valid), seg)
+        allowed = np.asarray(mask.dense())
+        if seg is not None:  # no key of another segment
+            assert not allowed[1, 25, :20].any() and allowed[1, 25, 20:26].all()
+        rows = allowed.any(-1)
+        out = blockwise_attention(q, k, v, mask, block_q=blocks[0], block_k=blocks[1])
+        ref = _reference(*map(np.asarray, (q, k, v)), allowed)
+        np.testing.assert_allclose(np.asarray(out)[rows], ref[rows], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(out)[~rows], 0.0)
+        w = jnp.asarray(rng.normal(size=(B, T, n, d)), jnp.float32) * rows[..., None, None]
+        dense = jax.grad(lambda *a: jnp.sum(dense_attention(*a, jnp.asarray(allowed)) * w), argnums=(0, 1, 2))(q, k, v)
+        block = jax.grad(lambda *a: jnp.sum(blockwise_attention(*a, mask, block_q=blocks[0], block_k=blocks[1]) * w),
+                         argnums=(0, 1, 2))(q, k, v)
+        for name, a, b in zip("qkv", dense, block):
+            np.testing.assert_allclose(b, a, atol=1e-5, err_msg=name)
+
+
+def test_chunked_log_probs_equal_the_whole_logits_ones_and_so_do_their_gradients():
+    """23 tokens in chunks of 5 (the last one short): log-probs and entropies as token_logprobs of
+    the whole logits gives them, and the gradients of a loss on them with respect to the hidden
+    states and the head's weights."""
+    rng = np.random.default_rng(1)
+    B, T, H, V = 3, 23, 16, 40
+    hidden = jnp.asarray(rng.normal(size=(B, T, H)), jnp.float32)
+    head_w = jnp.asarray(rng.normal(size=(H, V)) * 0.5, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
+
+    def loss(hidden, head_w, chunk):
+        head = lambda h: (h @ head_w).astype(jnp.float32)  # noqa: E731
+        if chunk is None:
+            logp, entropy = token_logprobs(head(hidden), tokens, with_entropy=True)
+        else:
+            logp, entropy = chunked_token_logprobs(hidden, head, tokens, chunk=chunk, with_entropy=True)
+        return jnp.sum(logp * weights) + 0.1 * jnp.sum(entropy * weights), (logp, entropy)
+
+    (whole, (logp, entropy)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, head_w, None)
+    (chunked, (logp_c, entropy_c)), grads_c = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, head_w, 5)
+    np.testing.assert_allclose(logp_c, logp, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(entropy_c, entropy, rtol=1e-5, atol=1e-6)
+    assert logp_c.shape == (B, T) and np.all(np.asarray(logp_c)[:, 0] == 0)
+    for a, b in zip(grads, grads_c):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_ppo_step_computed_for_long_sequences_equals_the_plain_one(packed):
+    """The same scored batch (ragged responses; padded, or packed into 4 rows), the same PPO step
+    (2 mini-batches, critic, IcePop): with the policy's and critic's forward attending in blocks of
+    4 tokens, taking log-probs 5 tokens at a time and keeping only the layers' matmuls for the
+    backward (remat dots), or (padded) rematerialising every layer whole: the same metrics and
+    updates as the plain step."""
+    tx = optax.adam(1e-2)
+    state = make_state(tx, tx, config=TINY)
+    batch = scored_batch(state, seed=5)
+    if packed:
+        batch = pack_batch(batch, groups=4)
+    step = jax.jit(lambda s, b: ppo_step(s, b, config=STEP_CONFIG))
+    plain, m_plain = step(state, batch)
+    executions = [Execution(attention="blockwise", attention_block=4, logits_chunk=5, remat="dots")]
+    if not packed:
+        executions.append(Execution(remat="full"))
+    for execution in executions:
+        policy, critic = tiny_models(TINY)
+        policy.set_execution(execution)
+        critic.backbone.execution = execution
+        new, m_new = step(PPOState.create(policy, critic, tx, tx), batch)
+        for key in m_plain:
+            np.testing.assert_allclose(m_new[key], m_plain[key], rtol=1e-4, atol=1e-6, err_msg=f"{execution}: {key}")
+        assert_updates_close(new.policy, plain.policy, state.policy, rtol=1e-4)
+        assert_updates_close(new.critic, plain.critic, state.critic, rtol=1e-4)
