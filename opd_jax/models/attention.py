@@ -15,8 +15,9 @@ and the log-normaliser L = m + log l it recomputes each block's P = e^(X − L) 
 
     dV = Pᵀ·dO,  dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)),  dQ = dS·K / √d,  dK = dSᵀ·Q / √d
 
-so nothing of size T × S is ever held, forward or backward. Blocks no query of which may attend
-any key (the causal upper triangle, other segments) are skipped. A query that may attend no key
+so nothing of size T × S is ever held, forward or backward. Every block is computed, the causal
+upper triangle too (skipping it by a lax.cond made the layer scan's gradient keep every block's
+scores). A query that may attend no key
 (padding) outputs 0 (the dense form outputs the mean of every value there; no real token reads
 either). `dense_attention` is the reference, and what the engine's cache paths use.
 """
@@ -166,8 +167,9 @@ def _forward(q, k, v, qi, qs, ki, kvalid, ks):
                 pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
                 return m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
-            live = jnp.any(_block_allowed(qi_b, qs_b, ki_b, kv_b, ks_b))  # else skipped: nothing to attend
-            return jax.lax.cond(live, attend, lambda c: c, carry), None
+            # every block is computed, the fully masked ones too: a lax.cond skipping them made JAX keep
+            # every block's scores when the attention sits in the layer scan's gradient (measured)
+            return attend(carry), None
 
         init = (jnp.full((B, kvh, g, bq), MASKED, jnp.float32), jnp.zeros((B, kvh, g, bq), jnp.float32),
                 jnp.zeros((B, kvh, g, bq, d), jnp.float32))
@@ -213,8 +215,7 @@ def _flash_bwd(res, dout):
                 dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb.astype(jnp.float32))
                 return (dk, dv), dq_new
 
-            live = jnp.any(_block_allowed(qi_b, qs_b, ki_b, kv_b, ks_b))
-            return jax.lax.cond(live, grads, lambda c: (c, dq_b), dkv)
+            return grads(dkv)
 
         init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
         (dk, dv), dq = jax.lax.scan(query_block, init, (q, dout, lse, D, qi, qs, dq))

@@ -606,7 +606,9 @@ class Backbone(nnx.Module):
                   jnp.arange(start, stop))
             layer_fn = functools.partial(body, kind)
             if policy is not None:  # the backward recomputes what the policy does not save
-                layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
+                # prevent_cse: an unrolled scan is straight-line code, where XLA would merge the
+                # recomputation with the forward and keep the activations after all
+                layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=True)
             (x, kv, topk), (info, chosen) = jax.lax.scan(layer_fn, (x, kv, topk), xs, unroll=unroll)
             if info is not None:
                 used.append(info)
