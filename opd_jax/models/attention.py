@@ -123,6 +123,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
         _blocks(mask.key_valid, nk, bk),                                       # padding keys: False
         _blocks(mask.key_segment if segments else zeros((B, S)), nk, bk),
     )
+    # Tied to the queries: inside a differentiated layer scan the mask alone is loop-invariant, and
+    # JAX's partial evaluation would hoist its every block out of the loop, T x S booleans (measured)
+    blocked = jax.lax.optimization_barrier(blocked)
     out = _flash(*blocked)                                                      # [nq, B, bq, kv, g, d]
     return jnp.moveaxis(out, 0, 1).reshape(B, nq * bq, n, d)[:, :T]
 
