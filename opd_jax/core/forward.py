@@ -28,11 +28,10 @@ RoutingReplay = Literal["none", "r3"]
 trainer's router); none: the trainer routes on its own."""
 
 
-def _run(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool, **kwargs
+def _run(model: nnx.Module, batch: RolloutBatch, unroll: int | bool, **kwargs
          ) -> tuple[Any, jax.Array, Callable[[jax.Array], jax.Array]]:
-    """The module (graphdef, params) on the batch, padded or packed: (its output, the tokens it
-    ran on, and the map of a per-token output of that run to the batch's [B, T] layout)."""
-    model = nnx.merge(graphdef, params)
+    """The module on the batch, padded or packed: (its output, the tokens it ran on, and the map
+    of a per-token output of that run to the batch's [B, T] layout)."""
     if batch.packing is None:
         out = model(batch.tokens, positions=batch.positions, attention_mask=batch.attention_mask, unroll=unroll,
                     **kwargs)
@@ -68,7 +67,7 @@ def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
     with the engine's (batch.indices), attended instead with index_replay. adapter_ids [B]: a decoder whose
     adapters are a bank (`models.lora.bank`), the adapter each row runs with. dropout_key: a
     training pass (`training_key`): LoRA adapters drop their inputs as `LoraConfig.dropout` says."""
-    (logits, router), _, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
+    (logits, router), _, back = _run(nnx.merge(graphdef, params), batch, unroll, routing=batch.routing,
                                      replay=jnp.asarray(replay), return_routing=True, adapter_ids=adapter_ids,
                                      dropout_key=dropout_key, indices=batch.indices,
                                      replay_indices=jnp.asarray(index_replay))
@@ -89,7 +88,7 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutB
     dropout_key, index_replay: as `sequence_logits`'. index_loss: a DSA model's indexers' KL to
     the attention ("dense" or "sparse"; RouterInfo.index_kl; `Backbone.forward`)."""
     model = nnx.merge(graphdef, params)
-    (hidden, router), tokens, back = _run(graphdef, params, batch, unroll, routing=batch.routing,
+    (hidden, router), tokens, back = _run(model, batch, unroll, routing=batch.routing,
                                           replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key,
                                           indices=batch.indices, replay_indices=jnp.asarray(index_replay),
                                           index_loss=index_loss, head=False)
@@ -112,7 +111,7 @@ def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
 
 def _values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, unroll: int | bool = 1,
             dropout_key: jax.Array | None = None) -> jax.Array:
-    values, _, back = _run(graphdef, params, batch, unroll, dropout_key=dropout_key)
+    values, _, back = _run(nnx.merge(graphdef, params), batch, unroll, dropout_key=dropout_key)
     return back(values)
 
 

@@ -62,16 +62,13 @@ class AttentionMask:
         column = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         return cls(column, column, valid.astype(bool), segments, segments)
 
-    @property
-    def keys(self) -> int:
-        return self.key_index.shape[1]
-
     def dense(self) -> jax.Array:
         """The [B, T, S] boolean matrix (O(T·S): for short sequences and the reference)."""
         return _allowed(self.query_index, self.key_index, self.key_valid, self.query_segment, self.key_segment)
 
 
 def _allowed(q_index, k_index, k_valid, q_segment, k_segment) -> jax.Array:
+    """[B, T, S] (or a block's [B, bq, bk]): which keys each query attends (`AttentionMask`)."""
     ok = k_valid[:, None, :] & (k_index[:, None, :] <= q_index[:, :, None])
     if q_segment is not None:
         ok = ok & (k_segment[:, None, :] == q_segment[:, :, None])
@@ -138,16 +135,11 @@ def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
 
 
-def _block_allowed(qi, qs, ki, kvalid, ks) -> jax.Array:
-    """[B, bq, bk]: which keys of a key block each query of a query block attends."""
-    return kvalid[:, None, :] & (ki[:, None, :] <= qi[:, :, None]) & (ks[:, None, :] == qs[:, :, None])
-
-
 def _scores(qb, kb, qi, qs, ki, kvalid, ks):
     """One block's scaled scores [B, kv, g, bq, bk] (float32) and where they are allowed."""
     d = qb.shape[-1]
     s = jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32) * (d ** -0.5)
-    return s, _block_allowed(qi, qs, ki, kvalid, ks)[:, None, None]
+    return s, _allowed(qi, ki, kvalid, qs, ks)[:, None, None]
 
 
 def _forward(q, k, v, qi, qs, ki, kvalid, ks):
@@ -158,21 +150,17 @@ def _forward(q, k, v, qi, qs, ki, kvalid, ks):
         qb, qi_b, qs_b = args
         B, bq, kvh, g, d = qb.shape
 
+        # every block is computed, the fully masked ones too: a lax.cond skipping them made JAX keep
+        # every block's scores when the attention sits in the layer scan's gradient (measured)
         def key_block(carry, kblock):
             kb, vb, ki_b, kv_b, ks_b = kblock
-
-            def attend(carry):
-                m, l, acc = carry
-                s, ok = _scores(qb, kb, qi_b, qs_b, ki_b, kv_b, ks_b)
-                m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, MASKED), axis=-1))
-                p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
-                scale = jnp.exp(m - m_new)
-                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-                return m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
-
-            # every block is computed, the fully masked ones too: a lax.cond skipping them made JAX keep
-            # every block's scores when the attention sits in the layer scan's gradient (measured)
-            return attend(carry), None
+            m, l, acc = carry
+            s, ok = _scores(qb, kb, qi_b, qs_b, ki_b, kv_b, ks_b)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, MASKED), axis=-1))
+            p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            return (m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv), None
 
         init = (jnp.full((B, kvh, g, bq), MASKED, jnp.float32), jnp.zeros((B, kvh, g, bq), jnp.float32),
                 jnp.zeros((B, kvh, g, bq, d), jnp.float32))
@@ -205,20 +193,16 @@ def _flash_bwd(res, dout):
 
         def query_block(dkv, qblock):
             qb, dob, lse_b, D_b, qi_b, qs_b, dq_b = qblock
-
-            def grads(dkv):
-                dk, dv = dkv
-                s, ok = _scores(qb, kb, qi_b, qs_b, ki_b, kv_b, ks_b)
-                p = jnp.where(ok, jnp.exp(s - lse_b[..., None]), 0.0)          # [B, kv, g, bq, bk]
-                do = dob.astype(jnp.float32)
-                dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
-                dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
-                ds = p * (dp - D_b[..., None]) * (qb.shape[-1] ** -0.5)
-                dq_new = dq_b + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
-                dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb.astype(jnp.float32))
-                return (dk, dv), dq_new
-
-            return grads(dkv)
+            dk, dv = dkv
+            s, ok = _scores(qb, kb, qi_b, qs_b, ki_b, kv_b, ks_b)
+            p = jnp.where(ok, jnp.exp(s - lse_b[..., None]), 0.0)              # [B, kv, g, bq, bk]
+            do = dob.astype(jnp.float32)
+            dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+            dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
+            ds = p * (dp - D_b[..., None]) * (qb.shape[-1] ** -0.5)
+            dq_new = dq_b + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
+            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb.astype(jnp.float32))
+            return (dk, dv), dq_new
 
         init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
         (dk, dv), dq = jax.lax.scan(query_block, init, (q, dout, lse, D, qi, qs, dq))

@@ -472,10 +472,10 @@ class Backbone(nnx.Module):
         positions, mask = self._positions_and_mask(tokens, positions, attention_mask)
         if segment_ids is not None:
             chex.assert_shape(segment_ids, (B, T))
-        allowed = AttentionMask.causal(mask, segment_ids)
-        column = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))  # a row's keys are its columns
+        allowed = AttentionMask.causal(mask, segment_ids)  # a row's keys are its columns
         hidden, _, info = self._layers(tokens, positions, mask, allowed, None, None, unroll, routing, replay,
-                                       _adapting(self.config, adapter_ids, dropout_key), (column, column),
+                                       _adapting(self.config, adapter_ids, dropout_key),
+                                       (allowed.query_index, allowed.key_index),
                                        indices, replay_indices, index_loss)
         return hidden, info
 
@@ -545,8 +545,7 @@ class Backbone(nnx.Module):
         # One scan per run of consecutive layers of one kind (dense or MoE), so each scan's
         # weights are its own stacked slices. The cache rides in the carry (not xs/ys) so XLA
         # updates it in place instead of restacking every layer's keys and values per decode step.
-        sparse = config.dsa is not None and config.dsa.index_topk < (
-            allowed.keys if isinstance(allowed, AttentionMask) else allowed.shape[-1])
+        sparse = config.dsa is not None and config.dsa.index_topk < allowed.shape[-1]  # DSA: MLA's dense mask
         # per layer: its row in the indexer's stack (-1: it reuses the previous full layer's top-k)
         index_row = jnp.asarray([config.indexer_layers.index(i) if i in config.indexer_layers else -1
                                  for i in range(config.num_layers)], jnp.int32)
