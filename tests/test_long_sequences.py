@@ -116,3 +116,14 @@ def test_a_ppo_step_computed_for_long_sequences_equals_the_plain_one(packed):
             np.testing.assert_allclose(m_new[key], m_plain[key], rtol=1e-4, atol=1e-6, err_msg=f"{execution}: {key}")
         assert_updates_close(new.policy, plain.policy, state.policy, rtol=1e-4)
         assert_updates_close(new.critic, plain.critic, state.critic, rtol=1e-4)
+
+
+def test_offloading_rematerialisation_on_the_cpu_is_one_line_before_the_run_starts(tmp_path):
+    """model.remat: offload needs an accelerator's pinned host memory: on the CPU the run is refused
+    in one line (exit 2) before its run directory is made."""
+    from test_cli_train import QUICKSTART, run_cli
+
+    result = run_cli(["train", QUICKSTART, "model.remat=offload", f"logging.run_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2, result.output
+    assert "model.remat: offload moves saved activations to an accelerator's pinned host memory" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()

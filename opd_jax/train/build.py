@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from opd_jax.config import ConfigError, ModelSection, RolloutSection, TrainConfig
+from opd_jax.config import ModelSection, RolloutSection, TrainConfig
 from opd_jax.data import Example
 from opd_jax.models import Decoder, ModelConfig, Tokenizer, ValueModel, load_model, resolve_model_path
 from opd_jax.models.char_tokenizer import char_tokenizer
@@ -24,9 +24,6 @@ from opd_jax.models.weights import build_from_params
 
 def build_model(section: ModelSection) -> tuple[Decoder, Tokenizer]:
     """The model a model section describes (fresh, with the character tokenizer, or loaded)."""
-    if section.remat == "offload" and jax.default_backend() == "cpu":
-        raise ConfigError("model.remat: offload moves saved activations to an accelerator's pinned host memory, "
-                          "and this run is on the CPU; use full or dots")
     if section.fresh is not None:
         tokenizer = char_tokenizer()
         policy = Decoder(fresh_model_config(section.fresh), param_dtype=jnp.dtype(section.dtype),

@@ -234,6 +234,9 @@ def check_run_inputs(*, mesh: MeshConfig, models: Mapping[str, ModelSection], da
     check_mesh("mesh", mesh)
     described = [check_model(key, section) for key, section in models.items()]
     for (key, section), (_, config) in zip(models.items(), described):
+        if section.remat == "offload" and jax.default_backend() == "cpu":
+            raise ConfigError(f"{key}.remat: offload moves saved activations to an accelerator's pinned host memory, "
+                              f"and this run is on the CPU; use full or dots")
         scheme = section.lora.base_quantization.scheme() if section.lora is not None else None
         if scheme is not None and config is not None:
             try:
