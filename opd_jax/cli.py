@@ -318,6 +318,28 @@ def recipe(
 
 
 @_command()
+def plan(
+    config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A training config (see configs/).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...")] = None,
+    devices: Annotated[int, typer.Option(help="Devices of the mesh to compile for (simulated).")] = 1,
+    hbm: Annotated[Optional[float], typer.Option(help="Memory of one accelerator in GiB: exit 1 when the peak is over.")] = None,  # noqa: E501
+    tokens: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default: the longest of the first 64 training prompts + rollout.max_new_tokens).")] = None,  # noqa: E501
+) -> None:
+    """Compile each step of a training config ahead of time for N devices on abstract arrays (no
+    weight is read) and print its per-device memory: weights, optimizer state, each program's
+    arguments, outputs and temporaries, the peak, and with --hbm whether it fits."""
+    from opd_jax.train.plan import plan_devices, plan_train, refusal
+
+    _needs_config("plan", config_file, overrides)
+    found = plan_devices(devices)  # before anything starts JAX: the simulated device count is read once
+    result = plan_train(_load(*_split_overrides(config_file, overrides)), found, tokens)
+    typer.echo(result.table(hbm))
+    if hbm is not None and not result.fits(hbm):  # a finding, not a user error: exit 1, as a failed check
+        typer.echo(f"error: {refusal(result, hbm, 'does not fit')}", err=True)
+        raise typer.Exit(1)
+
+
+@_command()
 def mismatch(
     config_file: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="A training config: its model, prompts and engine.")] = None,  # noqa: E501
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE...",
@@ -445,6 +467,7 @@ def k8s_render(
     router_image: Annotated[Optional[str], typer.Option(help="The router's image (default: --server-image).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write the manifests here (default: stdout).")] = None,
     check: Annotated[bool, typer.Option(help="Validate every manifest against its kind's schema.")] = False,
+    hbm: Annotated[Optional[float], typer.Option(help="Memory of one accelerator in GiB: refuse a train config whose `opd-jax plan` on hosts × accelerators devices does not fit it.")] = None,  # noqa: E501
 ) -> None:
     """Kubernetes manifests (JobSet + Kueue, LeaderWorkerSet for SGLang servers, the config as a
     ConfigMap) for the run CONFIG describes, as one YAML stream for `kubectl apply -f`."""
@@ -458,7 +481,17 @@ def k8s_render(
     if out is not None and (out.is_dir() or not out.parent.is_dir()):
         raise K8sError(f"--out {out}: " + ("is a directory; name a file" if out.is_dir() else
                                            f"its directory {out.parent} does not exist"))
+    if hbm is not None:  # planned first: the simulated device count is read once, when JAX starts
+        from opd_jax.train.plan import plan_devices, plan_train, refusal
+        found = plan_devices(hosts * max(accelerators, 1))
     config = _k8s_config(config_file, overrides, kind)
+    if hbm is not None:
+        from opd_jax.config import TrainConfig
+        if not isinstance(config, TrainConfig):
+            raise K8sError("--hbm: opd-jax plan covers train configs (opd-jax train); leave --hbm out for this one")
+        result = plan_train(config, found)
+        if not result.fits(hbm):
+            raise K8sError(refusal(result, hbm, f"--hbm {hbm:g}: {config_file} does not fit"))
     run_dir = config.run_dir if hasattr(config, "run_dir") else config.logging.run_dir
     spec = ClusterSpec(image=image, queue=queue, name=name or to_label(Path(run_dir).name) or "opd-jax",
                        namespace=namespace, priority_class=priority, hosts=hosts, accelerators=accelerators,

@@ -213,8 +213,8 @@ class ModelSection(Section):
     """How the trainer's forward attends: dense ([B, T, T] scores), blockwise (FlashAttention's online softmax and its own backward: memory O(T), not O(T²)), or auto (blockwise once a sequence is longer than attention_block). Results equal to float rounding; docs/long_sequences.md. GLM-5's MLA attends densely by query chunks for now."""  # noqa: E501
     attention_block: int = Field(512, gt=0)
     """Queries and keys per block of the blockwise attention."""
-    remat: Remat = "none"
-    """What the backward keeps of each layer's forward: everything (none), only the layer's input, the layer run again (full), the weight matmuls' outputs (dots), or those in host memory (offload: accelerators only)."""  # noqa: E501
+    remat: Remat = "auto"
+    """What the backward keeps of each layer's forward: everything (none), only the layer's input, the layer run again (full), the weight matmuls' outputs (dots), or those in host memory (offload: accelerators only); auto: full for sequences longer than 2048 tokens, none up to it. Any remat runs the layers as a rolled scan (update.layer_unroll does not apply)."""  # noqa: E501
     logits_chunk: int = Field(2048, gt=0)
     """Tokens whose logits exist at once when the trainer takes log-probs (the LM head runs chunk by chunk, forward and backward; [B, T, vocab] is never held)."""  # noqa: E501
 

@@ -11,10 +11,16 @@ import jax
 
 from opd_jax.models.attention import Implementation
 
-Remat = Literal["none", "full", "dots", "offload"]
+Remat = Literal["auto", "none", "full", "dots", "offload"]
 """What the backward keeps of each layer's forward: everything (none), nothing but the layer's
 input (full: the layer is run again), the weight matmuls' outputs (dots), or those moved to host
-memory (offload; accelerators with pinned host memory)."""
+memory (offload; accelerators with pinned host memory); auto: full for sequences longer than
+REMAT_FROM tokens, none up to it."""
+
+REMAT_FROM = 2048
+"""Longest sequence `remat: auto` keeps every activation of: below it the layers' activations are
+small beside the weights and optimizer state, and recomputing them costs a third more compute;
+above it they dominate (BENCHMARKS.md, "Long sequences")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,13 +32,15 @@ class Execution:
 
     attention: Implementation = "auto"
     attention_block: int = 512
-    remat: Remat = "none"
+    remat: Remat = "auto"
     logits_chunk: int = 2048
 
-    def checkpoint_policy(self):
-        """The jax.checkpoint policy of `remat` (None: no rematerialisation)."""
+    def checkpoint_policy(self, length: int):
+        """The jax.checkpoint policy of `remat` for sequences of `length` tokens (None: no
+        rematerialisation)."""
         policies = jax.checkpoint_policies
-        if self.remat == "offload":  # built only when asked: it names memory kinds a CPU lacks
+        remat = self.remat if self.remat != "auto" else ("full" if length > REMAT_FROM else "none")
+        if remat == "offload":  # built only when asked: it names memory kinds a CPU lacks
             return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
         return {"none": None, "full": policies.nothing_saveable,
-                "dots": policies.dots_with_no_batch_dims_saveable}[self.remat]
+                "dots": policies.dots_with_no_batch_dims_saveable}[remat]

@@ -145,6 +145,13 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tok
     return config, tensors, gguf_tokenizer(reader, path)
 
 
+def read_gguf_config(path: str | Path) -> tuple[ModelConfig, Tokenizer | None]:
+    """(config, tokenizer or None) of a GGUF file, its tensors left unread."""
+    path = Path(path)
+    reader = _open(path)
+    return _config(reader, path, {t.name for t in reader.tensors}), gguf_tokenizer(reader, path)
+
+
 def gguf_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
     """The byte-level BPE tokenizer a GGUF describes (vocab, merges, special tokens, template)."""
     kind = _field(reader, "tokenizer.ggml.model")

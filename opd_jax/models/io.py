@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from opd_jax.models.adapter_io import save_adapter
 from opd_jax.models.config import ModelConfig, ModelFormatError
 from opd_jax.models.decoder import Decoder
-from opd_jax.models.gguf_io import read_gguf
+from opd_jax.models.gguf_io import read_gguf, read_gguf_config
 from opd_jax.models.lora import base_params, merged_params
 from opd_jax.models.tokenizer import Tokenizer
 from opd_jax.models.weights import build_from_params, check_hf_tensors, params_from_hf, params_to_hf
@@ -60,6 +60,17 @@ def load_model(path: str | os.PathLike, dtype: Any = "float32", compute_dtype: A
     else:
         raise ModelFormatError(f"{path}: expected a Hugging Face model directory or a .gguf file")
     return build_from_params(Decoder, config, params, compute_dtype=_dtype(compute_dtype)), tokenizer
+
+
+def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, Tokenizer | None]:
+    """The architecture and tokenizer of what `load_model` loads from `path`, no weight read."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return read_gguf_config(path)
+    if path.is_dir():
+        return ModelConfig.from_json(path / "config.json"), Tokenizer.from_dir(path)
+    raise ModelFormatError(f"{path}: " + ("no such file or directory" if not path.exists()
+                                          else "expected a Hugging Face model directory or a .gguf file"))
 
 
 def _read_safetensors(directory: Path, config: ModelConfig, dtype: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Sharding over a device mesh: mesh construction, logical-axis rules, the sharded jit, multi-host."""
 
-from opd_jax.parallel.compile import sharded_scoring, sharded_step, under_mesh
+from opd_jax.parallel.compile import compile_abstract, scoring_jit, sharded_scoring, sharded_step, step_jit, under_mesh
 from opd_jax.parallel.distributed import (
     DistributedConfig,
     DistributedError,
@@ -20,7 +20,7 @@ from opd_jax.parallel.rules import (
     tree_shardings,
 )
 
-__all__ = ["DEFAULT_RULES", "MESH_AXES", "DistributedConfig", "DistributedError", "JobSetPlace", "LogicalRules",
+__all__ = ["DEFAULT_RULES", "compile_abstract", "scoring_jit", "step_jit", "MESH_AXES", "DistributedConfig", "DistributedError", "JobSetPlace", "LogicalRules",
            "MeshConfig", "MeshError", "batch_shardings", "batch_shards", "global_batch", "initialize_distributed",
            "jobset_place", "logical_spec", "make_mesh", "shard", "sharded_scoring", "sharded_step", "tree_shardings",
            "under_mesh"]

@@ -20,13 +20,16 @@ def sharded_step(step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch:
     the data axes, metrics replicated, and the input state's buffers donated to the output.
     `state` and `batch` are examples (shapes and structure only). Call the result with arrays
     placed by `shard(x, state_shardings(...))` / `shard(batch, batch_shardings(...))`."""
-    state_sh = tree_shardings(state, mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    return under_mesh(_per_structure(functools.partial(step_jit, step, state, mesh=mesh, rules=rules, donate=donate),
+                                     batch), mesh, rules)
 
-    def jit_for(example: Any) -> Callable:
-        return jax.jit(step, in_shardings=(state_sh, batch_shardings(example, mesh, rules)),
-                       out_shardings=(state_sh, replicated), donate_argnums=(0,) if donate else ())
-    return under_mesh(_per_structure(jit_for, batch), mesh, rules)
+
+def step_jit(step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any, mesh: Mesh,
+             rules: LogicalRules = DEFAULT_RULES, *, donate: bool = True) -> Any:
+    """The jax.jit of `sharded_step` for batches structured as `batch` (not yet under the mesh)."""
+    state_sh = tree_shardings(state, mesh, rules)
+    return jax.jit(step, in_shardings=(state_sh, batch_shardings(batch, mesh, rules)),
+                   out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0,) if donate else ())
 
 
 def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, mesh: Mesh,
@@ -34,12 +37,23 @@ def sharded_scoring(score: Callable[[Any, Any], Any], state: Any, batch: Any, me
     """`score` ((state, batch) -> batch, e.g. opd_jax.core.score_batch) jitted over the mesh: the
     state sharded as for the step (and not donated: the step needs it next), the batch split over
     the data axes on the way in and out."""
-    state_sh = tree_shardings(state, mesh, rules)
+    return under_mesh(_per_structure(functools.partial(scoring_jit, score, state, mesh=mesh, rules=rules), batch),
+                      mesh, rules)
 
-    def jit_for(example: Any) -> Callable:
-        out_sh = batch_shardings(jax.eval_shape(score, state, example), mesh, rules)
-        return jax.jit(score, in_shardings=(state_sh, batch_shardings(example, mesh, rules)), out_shardings=out_sh)
-    return under_mesh(_per_structure(jit_for, batch), mesh, rules)
+
+def scoring_jit(score: Callable[[Any, Any], Any], state: Any, batch: Any, mesh: Mesh,
+                rules: LogicalRules = DEFAULT_RULES) -> Any:
+    """The jax.jit of `sharded_scoring` for batches structured as `batch` (not yet under the mesh)."""
+    out_sh = batch_shardings(jax.eval_shape(score, state, batch), mesh, rules)
+    return jax.jit(score, in_shardings=(tree_shardings(state, mesh, rules), batch_shardings(batch, mesh, rules)),
+                   out_shardings=out_sh)
+
+
+def compile_abstract(jitted: Any, mesh: Mesh, *args: Any, rules: LogicalRules = DEFAULT_RULES) -> jax.stages.Compiled:
+    """`jitted` (a step_jit / scoring_jit) compiled ahead of time for `args`, arrays or their
+    shapes alone (jax.ShapeDtypeStruct: nothing allocated), traced under the mesh and rules."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return jitted.lower(*args).compile()
 
 
 def _per_structure(jit_for: Callable[[Any], Callable], example: Any) -> Callable:

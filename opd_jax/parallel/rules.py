@@ -78,8 +78,9 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -
         if _is_variable(x):
             names = x.get_metadata().get("logical_axes")
             # a weight held quantized (a QLoRA base: values and scales, not one array) is replicated
-            if names is not None and hasattr(x[...], "dtype"):  # an array, tracer or shape (not values + scales)
-                return NamedSharding(mesh, logical_spec(names, x[...].shape, mesh, rules))
+            value = x.get_value()
+            if names is not None and hasattr(value, "dtype"):  # an array, tracer or shape (not values + scales)
+                return NamedSharding(mesh, logical_spec(names, value.shape, mesh, rules))
         return NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
