@@ -127,3 +127,61 @@ def test_offloading_rematerialisation_on_the_cpu_is_one_line_before_the_run_star
     assert result.exit_code == 2, result.output
     assert "model.remat: offload moves saved activations to an accelerator's pinned host memory" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("topk", [4, 64], ids=["dsa-top4", "every-key"])
+def test_glm5s_latent_attention_attends_in_blocks_from_the_o_t_mask_as_its_engine_does(topk):
+    """GLM-5 (MLA, experts; DSA keeping 4 keys per query, or every key: MLA through the blockwise
+    attention) over 40 tokens, row 1 left-padded: the training forward (blocks of 8; DSA's chunks
+    built from the O(T) mask) gives the logits of the engine's prefill through its [B, T, slots]
+    cache mask, the path that never saw an AttentionMask, and the dense forward's; attending every
+    key, the blockwise forward's gradients equal the dense one's; and a row packing two sequences
+    gives each the logits it has alone."""
+    import dataclasses
+
+    from flax import nnx
+    from test_glm5 import GLM5, peaked
+
+    from opd_jax.models import Decoder, KVCache
+
+    config = dataclasses.replace(GLM5, dsa=dataclasses.replace(GLM5.dsa, index_topk=topk))
+    model = peaked(Decoder(config, rngs=nnx.Rngs(3)))
+    rng = np.random.default_rng(4)
+    B, T = 2, 40
+    tokens = jnp.asarray(rng.integers(0, GLM5.vocab_size, (B, T)), jnp.int32)
+    mask = np.ones((B, T), np.int32)
+    mask[1, :6] = 0
+    positions = jnp.asarray(np.maximum(np.cumsum(mask, 1) - 1, 0), jnp.int32)
+    mask = jnp.asarray(mask)
+
+    def logits_with(execution, params=None):
+        m = Decoder(config, rngs=nnx.Rngs(0)).set_execution(execution)
+        nnx.update(m, params if params is not None else nnx.state(model, nnx.Param))
+        return m(tokens, positions=positions, attention_mask=mask)
+
+    blockwise = Execution(attention="blockwise", attention_block=8)
+    hidden = model.backbone.extend(tokens, KVCache.empty(config, B, 48, jnp.float32), positions=positions,
+                                   attention_mask=mask)[0]
+    engine = np.asarray(model.logits(hidden))
+    trainer = np.asarray(logits_with(blockwise))
+    real = np.asarray(mask, bool)
+    np.testing.assert_allclose(trainer[real], engine[real], atol=1e-4, rtol=1e-4)
+    dense = np.asarray(logits_with(Execution(attention="dense")))
+    np.testing.assert_allclose(trainer[real], dense[real], atol=1e-5, rtol=1e-5)
+
+    weights = jnp.asarray(rng.normal(size=trainer.shape), jnp.float32) * mask[..., None]
+    params = nnx.state(model, nnx.Param)
+    grads = [] if topk < T else [jax.grad(lambda p, e=e: jnp.sum(logits_with(e, p) * weights))(params)
+             for e in (blockwise, Execution(attention="dense"))]
+    for got, want in zip(*(jax.tree.leaves(g) for g in grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+    # one row packing the first 15 and the last 25 tokens of row 0, each from position 0
+    segments = jnp.asarray([[1] * 15 + [2] * 25], jnp.int32)
+    packed_positions = jnp.asarray([list(range(15)) + list(range(25))], jnp.int32)
+    m = Decoder(config, rngs=nnx.Rngs(0)).set_execution(blockwise)
+    nnx.update(m, params)
+    packed = np.asarray(m(tokens[:1], positions=packed_positions, segment_ids=segments))
+    for lo, hi in ((0, 15), (15, 40)):
+        alone = np.asarray(m(tokens[:1, lo:hi]))
+        np.testing.assert_allclose(packed[0, lo:hi], alone[0], atol=1e-5, rtol=1e-5)

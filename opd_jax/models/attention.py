@@ -27,11 +27,11 @@ from __future__ import annotations
 from typing import Literal
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.models.masks import AttentionMask, allowed_matrix
 from opd_jax.models.mla import MASKED
 
 Implementation = Literal["auto", "dense", "blockwise"]
@@ -39,44 +39,9 @@ Implementation = Literal["auto", "dense", "blockwise"]
 memory, `blockwise_attention`), or auto: blockwise where the sequence is longer than one block."""
 
 
-@flax.struct.dataclass
-class AttentionMask:
-    """Which keys each query attends, in O(T + S) numbers: key s is allowed for query t when
-
-        key_valid[b, s]  and  key_index[b, s] <= query_index[b, t]  and  segment[b, s] == segment[b, t]
-
-    (causal over the columns, padding keys never; segments: packed rows, a token attends only to
-    its own sequence). query_index [B, T] and key_index / key_valid [B, S]; segments [B, T] of
-    queries and keys (a forward's queries are its keys) or None."""
-
-    query_index: jax.Array
-    key_index: jax.Array
-    key_valid: jax.Array
-    query_segment: jax.Array | None = None
-    key_segment: jax.Array | None = None
-
-    @classmethod
-    def causal(cls, valid: jax.Array, segments: jax.Array | None = None) -> AttentionMask:
-        """A forward over [B, T] tokens: queries and keys are its columns; valid [B, T] its real tokens."""
-        B, T = valid.shape
-        column = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        return cls(column, column, valid.astype(bool), segments, segments)
-
-    def dense(self) -> jax.Array:
-        """The [B, T, S] boolean matrix (O(T·S): for short sequences and the reference)."""
-        return _allowed(self.query_index, self.key_index, self.key_valid, self.query_segment, self.key_segment)
-
-
-def _allowed(q_index, k_index, k_valid, q_segment, k_segment) -> jax.Array:
-    """[B, T, S] (or a block's [B, bq, bk]): which keys each query attends (`AttentionMask`)."""
-    ok = k_valid[:, None, :] & (k_index[:, None, :] <= q_index[:, :, None])
-    if q_segment is not None:
-        ok = ok & (k_segment[:, None, :] == q_segment[:, :, None])
-    return ok
-
-
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query softmax(q·kᵀ/√d + mask)·v. q: [B,T,n,d]; k, v: [B,S,kv,d]; allowed: [B,T,S]."""
+    """Grouped-query softmax(q·kᵀ/√d + mask)·v. q: [B,T,n,d]; k: [B,S,kv,d]; v: [B,S,kv,e] (e may
+    differ from d: MLA's absorbed form); allowed: [B,T,S]; output [B,T,n,e]."""
     B, T, n, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(B, T, kv, n // kv, d)
@@ -84,12 +49,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array
     scores = jnp.where(allowed[:, None, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, n, d)
+    return out.reshape(B, T, n, v.shape[-1])
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, implementation: Implementation = "auto",
               block: int = 512) -> jax.Array:
-    """Attention of q [B, T, n, d] over k, v [B, S, kv, d] where `mask` allows, as `implementation`
+    """Attention of q [B, T, n, d] over k [B, S, kv, d], v [B, S, kv, e] where `mask` allows, as `implementation`
     says (auto: blockwise when T or S exceeds `block`)."""
     if implementation == "dense" or (implementation == "auto" and max(q.shape[1], k.shape[1]) <= block):
         return dense_attention(q, k, v, mask.dense())
@@ -99,10 +64,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, imp
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, block_q: int = 512,
                         block_k: int = 512) -> jax.Array:
     """dense_attention(q, k, v, mask.dense()) in O(T + S) memory, forward and backward (see the
-    module docstring). q [B, T, n, d]; k, v [B, S, kv, d] (n a multiple of kv); output [B, T, n, d]
+    module docstring). q [B, T, n, d]; k [B, S, kv, d]; v [B, S, kv, e] (n a multiple of kv); output [B, T, n, e]
     in q's dtype. block_q, block_k: queries and keys per block (T and S are padded up to them)."""
     chex.assert_rank([q, k, v], 4)
-    chex.assert_equal_shape([k, v])
+    chex.assert_equal_shape_prefix([k, v], 3)
     B, T, n, d = q.shape
     S, kv = k.shape[1], k.shape[2]
     chex.assert_shape([mask.query_index], (B, T))
@@ -124,7 +89,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
     # JAX's partial evaluation would hoist its every block out of the loop, T x S booleans (measured)
     blocked = jax.lax.optimization_barrier(blocked)
     out = _flash(*blocked)                                                      # [nq, B, bq, kv, g, d]
-    return jnp.moveaxis(out, 0, 1).reshape(B, nq * bq, n, d)[:, :T]
+    return jnp.moveaxis(out, 0, 1).reshape(B, nq * bq, n, v.shape[-1])[:, :T]
 
 
 def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
@@ -139,7 +104,7 @@ def _scores(qb, kb, qi, qs, ki, kvalid, ks):
     """One block's scaled scores [B, kv, g, bq, bk] (float32) and where they are allowed."""
     d = qb.shape[-1]
     s = jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32) * (d ** -0.5)
-    return s, _allowed(qi, ki, kvalid, qs, ks)[:, None, None]
+    return s, allowed_matrix(qi, ki, kvalid, qs, ks)[:, None, None]
 
 
 def _forward(q, k, v, qi, qs, ki, kvalid, ks):
@@ -163,7 +128,7 @@ def _forward(q, k, v, qi, qs, ki, kvalid, ks):
             return (m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv), None
 
         init = (jnp.full((B, kvh, g, bq), MASKED, jnp.float32), jnp.zeros((B, kvh, g, bq), jnp.float32),
-                jnp.zeros((B, kvh, g, bq, d), jnp.float32))
+                jnp.zeros((B, kvh, g, bq, v.shape[-1]), jnp.float32))
         (m, l, acc), _ = jax.lax.scan(key_block, init, (k, v, ki, kvalid, ks))
         some = l > 0
         out = jnp.where(some[..., None], acc / jnp.where(some, l, 1.0)[..., None], 0.0)

@@ -27,6 +27,7 @@ from opd_jax.models.attention import AttentionMask, attention, dense_attention
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.execution import Execution
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
+from opd_jax.models.masks import key_count
 from opd_jax.models.mla import (
     LATENT_NORM_EPS,
     chunked_attention,
@@ -343,12 +344,13 @@ def index_keys(config: ModelConfig, w: dict[str, jax.Array], h: jax.Array, posit
 
 
 def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_w: dict[str, jax.Array] | None,
-                            x: jax.Array, positions: jax.Array, inv_freq: jax.Array, allowed: jax.Array,
-                            topk: jax.Array | None, token_index: tuple[jax.Array, jax.Array],
+                            x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+                            allowed: jax.Array | AttentionMask, topk: jax.Array | None, token_index: tuple[jax.Array, jax.Array],
                             cache_kv: tuple | None = None, layer: jax.Array | None = None,
                             write_at: jax.Array | None = None, lora: Adapting = Adapting(),
                             engine: jax.Array | None = None, replay: jax.Array | None = None,
-                            valid: jax.Array | None = None, index_loss: str | None = None
+                            valid: jax.Array | None = None, index_loss: str | None = None,
+                            execution: Execution = Execution()
                             ) -> tuple[jax.Array, tuple | None, jax.Array | None, jax.Array | None, jax.Array, jax.Array]:
     """x + MLA(norm(x)) (`opd_jax.models.mla`); returns it, the cache, the top-k key slots it
     attended (DSA; None where every key is attended: top-k ≥ the keys), and for a layer that runs
@@ -365,7 +367,8 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
     Without a cache the keys are the sequence's own. With one, the layer's latent and rotary key
     ([c ‖ k_R], one vector per token) are written into its k and, for an indexer layer, the
     indexer's key into its v, at [layer, :, write_at], and the queries attend over every slot the
-    cache holds (`allowed` [B, T, slots])."""
+    cache holds (`allowed` [B, T, slots]); without one, `allowed` is the forward's AttentionMask and
+    a layer attending every key goes through `execution.attention` (`_absorbed_attention`)."""
     m = config.mla
     h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
     q_c = rms_norm(project("bth,hr->btr", h, w, "q_a", lora), w["q_a_norm"], LATENT_NORM_EPS)
@@ -389,7 +392,7 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
     q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_uk)
     scale = m.qk_head_dim ** -0.5
     offsets, flips, kl = None, jnp.zeros((), jnp.float32), jnp.zeros((2,), jnp.float32)
-    chooses = config.dsa is not None and config.dsa.index_topk < allowed.shape[-1] and index_loss != "dense"
+    chooses = config.dsa is not None and config.dsa.index_topk < key_count(allowed) and index_loss != "dense"
     if index_w is not None and (chooses or index_loss is not None):
         cut = jax.lax.stop_gradient if index_loss is not None else (lambda a: a)
         if keys is None:
@@ -407,9 +410,23 @@ def _latent_attention_block(config: ModelConfig, w: dict[str, jax.Array], index_
             per_query = index_kl(q_index, weights, keys, *(cut(a) for a in (q_latent, q_rope, latent, k_rope)),
                                  allowed, scale, topk)
             kl = jnp.stack([jnp.sum(jnp.where(valid, per_query, 0.0)), jnp.sum(valid).astype(jnp.float32)])
-    out = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, scale, topk)
+    if topk is None and isinstance(allowed, AttentionMask):  # a training forward attending every key
+        out = _absorbed_attention(q_latent, q_rope, latent, k_rope, allowed, scale, execution)
+    else:
+        out = chunked_attention(q_latent, q_rope, latent, k_rope, allowed, scale, topk)
     values = jnp.einsum("btnr,rnv->btnv", out, w_uv)
     return x + project("btnv,nvh->bth", values, w, "o", lora), cache_kv, topk, offsets, flips, kl
+
+
+def _absorbed_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                        mask: AttentionMask, scale: float, execution: Execution) -> jax.Array:
+    """`mla.mla_attention` (every allowed key) as attention with one key head, through
+    `execution.attention` (blockwise: O(T) memory): queries [q_latent ‖ q_R], each token's key
+    [c ‖ k_R] and value c, the scale folded into the queries (attention divides by √width)."""
+    q = jnp.concatenate([q_latent, q_rope], -1)
+    q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
+    k = jnp.concatenate([latent, k_rope], -1)[:, :, None]
+    return attention(q, k, latent[:, :, None], mask, execution.attention, execution.attention_block)
 
 
 def _segments(config: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -526,8 +543,6 @@ class Backbone(nnx.Module):
         B, T = tokens.shape
         config = self.config
         execution = self.execution
-        if isinstance(allowed, AttentionMask) and config.mla is not None:
-            allowed = allowed.dense()  # MLA attends through [B, T, S] masks (chunked by query)
         dt = jnp.dtype(self.compute_dtype)
         x = self.embed[...].astype(dt)[tokens]
         inv_freq = jnp.asarray(inverse_frequencies(config))
@@ -545,7 +560,7 @@ class Backbone(nnx.Module):
         # One scan per run of consecutive layers of one kind (dense or MoE), so each scan's
         # weights are its own stacked slices. The cache rides in the carry (not xs/ys) so XLA
         # updates it in place instead of restacking every layer's keys and values per decode step.
-        sparse = config.dsa is not None and config.dsa.index_topk < allowed.shape[-1]  # DSA: MLA's dense mask
+        sparse = config.dsa is not None and config.dsa.index_topk < key_count(allowed)
         # per layer: its row in the indexer's stack (-1: it reuses the previous full layer's top-k)
         index_row = jnp.asarray([config.indexer_layers.index(i) if i in config.indexer_layers else -1
                                  for i in range(config.num_layers)], jnp.int32)
@@ -567,7 +582,7 @@ class Backbone(nnx.Module):
                                          execution)
             elif not sparse and kv is None and index_loss is None:
                 x = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed, None, token_index,
-                                            lora=adapting)[0]
+                                            lora=adapting, execution=execution)[0]
             else:
                 row = index_row[layer]
 
@@ -576,7 +591,7 @@ class Backbone(nnx.Module):
                     engine = None if engine_indices is None else engine_indices[jnp.maximum(row, 0)]
                     x_out, kv, used, offsets, flips, kl = _latent_attention_block(
                         config, w, index_w, x, positions, inv_freq, allowed, None, token_index, kv, layer, write_at,
-                        adapting, engine, replay_indices, mask, index_loss)
+                        adapting, engine, replay_indices, mask, index_loss, execution)
                     if used is None:  # every key attended: nothing chosen
                         return x_out, kv, topk, (no_choice, flips, kl)
                     return x_out, kv, used, (offsets, flips, kl)
@@ -584,7 +599,8 @@ class Backbone(nnx.Module):
                 def shared(kv, topk):
                     x_out, kv = _latent_attention_block(config, w, None, x, positions, inv_freq, allowed,
                                                         topk if sparse and index_loss != "dense" else None,
-                                                        token_index, kv, layer, write_at, adapting)[:2]
+                                                        token_index, kv, layer, write_at, adapting,
+                                                        execution=execution)[:2]
                     return x_out, kv, topk, chosen
 
                 x, kv, topk, chosen = jax.lax.cond(row >= 0, own, shared, kv, topk)

@@ -32,6 +32,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from opd_jax.models.masks import AttentionMask, allowed_at
+
 # the latents' RMSNorms (q_a_layernorm, kv_a_layernorm) take no eps from config.json: theirs is fixed
 LATENT_NORM_EPS = 1e-6
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked (padding) row stays NaN-free
@@ -169,12 +171,25 @@ QUERY_CHUNK = 512  # queries attended together: a chunk's scores are [chunk, key
 
 def _by_query_chunks(fn, per_query: tuple, chunk: int):
     """fn over the queries (axis 1 of every array in `per_query`; None passes through) `chunk` at a
-    time under lax.map, so per-chunk temporaries are O(chunk · keys); the outputs joined back."""
-    length = next(x for x in per_query if x is not None).shape[1]
+    time under lax.map, so per-chunk temporaries are O(chunk · keys); the outputs joined back. An
+    `AttentionMask` among them reaches fn as its chunk's [B, chunk, S] matrix, made in the chunk."""
+    masks = {i: x for i, x in enumerate(per_query) if isinstance(x, AttentionMask)}
+    per_query = tuple((x.query_index, x.query_segment) if i in masks else x for i, x in enumerate(per_query))
+
+    def run(q):
+        if not masks:
+            return fn(q)
+        rows = {i: masks[i].rows(*q[i]) for i in masks}
+        # tied to the chunk's queries: made of the mask alone, a chunk's matrix would be computed in
+        # the forward and kept for the backward of a differentiated layer scan, every chunk's: T x S
+        rows, first = jax.lax.optimization_barrier((rows, q[0]))
+        return fn(tuple(rows[i] if i in masks else (first if i == 0 else x) for i, x in enumerate(q)))
+
+    length = next(x for x in per_query if x is not None and not isinstance(x, tuple)).shape[1]
     if length <= chunk:
-        return fn(per_query)
+        return run(per_query)
     n = -(-length // chunk)
-    pad = n * chunk - length  # padded queries attend nowhere (allowed False) and are dropped after
+    pad = n * chunk - length  # padded queries are dropped after
 
     def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
@@ -184,10 +199,10 @@ def _by_query_chunks(fn, per_query: tuple, chunk: int):
         y = jnp.moveaxis(y, 0, 1)
         return y.reshape(y.shape[0], n * chunk, *y.shape[3:])[:, :length]
 
-    return jax.tree.map(join, jax.lax.map(fn, jax.tree.map(split, per_query)))
+    return jax.tree.map(join, jax.lax.map(run, jax.tree.map(split, per_query)))
 
 
-def chunked_topk(q_index: jax.Array, weights: jax.Array, keys: jax.Array, allowed: jax.Array, k: int,
+def chunked_topk(q_index: jax.Array, weights: jax.Array, keys: jax.Array, allowed: jax.Array | AttentionMask, k: int,
                  chunk: int = QUERY_CHUNK) -> jax.Array:
     """The indexer's choice [B, T, k] (`index_scores`, `indexer_topk`) for q^I [B, T, n_I, d_I],
     weights [B, T, n_I] and keys [B, S, d_I], `chunk` queries at a time (scores O(chunk · S))."""
@@ -196,7 +211,7 @@ def chunked_topk(q_index: jax.Array, weights: jax.Array, keys: jax.Array, allowe
 
 
 def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                      allowed: jax.Array, scale: float, topk: jax.Array | None = None,
+                      allowed: jax.Array | AttentionMask, scale: float, topk: jax.Array | None = None,
                       chunk: int = QUERY_CHUNK) -> jax.Array:
     """`mla_attention` over the queries `chunk` at a time, so the scores of a long sequence take
     O(chunk · S) memory instead of O(T · S): output [B, T, n, r]."""
@@ -205,7 +220,7 @@ def chunked_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
 
 
 def index_kl(q_index: jax.Array, weights: jax.Array, keys: jax.Array, q_latent: jax.Array, q_rope: jax.Array,
-             latent: jax.Array, k_rope: jax.Array, allowed: jax.Array, scale: float,
+             latent: jax.Array, k_rope: jax.Array, allowed: jax.Array | AttentionMask, scale: float,
              topk: jax.Array | None = None) -> jax.Array:
     """DeepSeek-V3.2's objective for the indexer, per query [B, T]:
 
@@ -217,7 +232,7 @@ def index_kl(q_index: jax.Array, weights: jax.Array, keys: jax.Array, q_latent: 
     dense warm-up: the model attends them all) or, given `topk` [B, T, k] key slots (-1: none),
     over the chosen keys alone, p and the softmax renormalised there (the sparse stage). A query
     with no allowed key has KL 0. Float32."""
-    chex.assert_rank([q_index, weights, keys, q_latent, q_rope, latent, k_rope, allowed], [4, 3, 3, 4, 4, 3, 3, 3])
+    chex.assert_rank([q_index, weights, keys, q_latent, q_rope, latent, k_rope], [4, 3, 3, 4, 4, 3, 3])
 
     def per_chunk(q):
         qi, w, ql, qr, ok, chosen = q
@@ -236,14 +251,14 @@ def index_kl(q_index: jax.Array, weights: jax.Array, keys: jax.Array, q_latent: 
     return _by_query_chunks(per_chunk, (q_index, weights, q_latent, q_rope, allowed, topk), QUERY_CHUNK)
 
 
-def key_offsets(topk: jax.Array, allowed: jax.Array, query_index: jax.Array, key_index: jax.Array) -> jax.Array:
+def key_offsets(topk: jax.Array, allowed: jax.Array | AttentionMask, query_index: jax.Array, key_index: jax.Array) -> jax.Array:
     """Index replay's record of a top-k choice: how many tokens back each chosen key is,
     query_index[t] − key_index[topk[t, j]] ([B, T, k] int32; -1 where the slot is not an allowed
     key). Offsets, not slots, so the record means the same in an engine's cache (slots, left
     padding, stored prefixes) and in a trainer's padded or packed row. query_index [B, T],
     key_index [B, S]: each query's and key slot's token index in its sequence."""
     slot = jnp.maximum(topk, 0)
-    keep = jnp.take_along_axis(allowed, slot, axis=-1) & (topk >= 0)
+    keep = allowed_at(allowed, slot) & (topk >= 0)
     back = query_index[:, :, None] - jnp.take_along_axis(key_index[:, None, :], slot, axis=-1)
     return jnp.where(keep, back, -1).astype(jnp.int32)
 

@@ -20,7 +20,7 @@ from opd_jax.parallel.rules import (
     tree_shardings,
 )
 
-__all__ = ["DEFAULT_RULES", "compile_abstract", "scoring_jit", "step_jit", "MESH_AXES", "DistributedConfig", "DistributedError", "JobSetPlace", "LogicalRules",
-           "MeshConfig", "MeshError", "batch_shardings", "batch_shards", "global_batch", "initialize_distributed",
-           "jobset_place", "logical_spec", "make_mesh", "shard", "sharded_scoring", "sharded_step", "tree_shardings",
-           "under_mesh"]
+__all__ = ["DEFAULT_RULES", "MESH_AXES", "DistributedConfig", "DistributedError", "JobSetPlace", "LogicalRules",
+           "MeshConfig", "MeshError", "batch_shardings", "batch_shards", "compile_abstract", "global_batch",
+           "initialize_distributed", "jobset_place", "logical_spec", "make_mesh", "scoring_jit", "shard",
+           "sharded_scoring", "sharded_step", "step_jit", "tree_shardings", "under_mesh"]

@@ -22,12 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from opd_jax.config import ModelSection, TrainConfig
+from opd_jax.config import ConfigError, ModelSection, TrainConfig
 from opd_jax.core import RolloutBatch, make_optimizer
 from opd_jax.core.sft import sft_step
 from opd_jax.core.state import PolicyState
 from opd_jax.data import take, train_prompts
-from opd_jax.errors import OpdJaxError
 from opd_jax.models import Decoder, ModelConfig, Tokenizer
 from opd_jax.models.char_tokenizer import char_tokenizer
 from opd_jax.models.io import read_model_config
@@ -46,8 +45,8 @@ def size(n: float) -> str:
 _PROMPTS_MEASURED = 64  # training prompts tokenized for the default sequence length
 
 
-class PlanError(OpdJaxError, ValueError):
-    """A plan that cannot be made (devices, sequence length), or a config that does not fit."""
+class PlanError(ConfigError):
+    """A plan that cannot be made: more devices than this process has, a sequence too short."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,10 @@ class Plan:
                   f"{size(p.peak)} |" for p in self.programs]
         verdict = "" if hbm_gib is None else (f" of {hbm_gib:g} GiB: fits" if self.fits(hbm_gib)
                                               else f" of {hbm_gib:g} GiB: does not fit")
-        return "\n".join([*lines, "", f"peak {size(self.peak)} per device{verdict}"])
+        aliased = max(p.aliased for p in self.programs)
+        return "\n".join([*lines, "", f"peak {size(self.peak)} per device{verdict}",
+                           f"(outputs written over donated arguments: up to {size(aliased)}; a runtime that "
+                           f"does not reuse donated buffers, as XLA:CPU's here, needs them on top)"])
 
 
 def refusal(plan: Plan, hbm_gib: float, what: str) -> str:
