@@ -210,7 +210,7 @@ class ModelSection(Section):
     lora: LoraSection | None = None
     """Train low-rank adapters on a frozen base instead of every weight (unset: full fine-tuning)."""
     attention: Implementation = "auto"
-    """How the trainer's forward attends: dense ([B, T, T] scores), blockwise (FlashAttention's online softmax and its own backward: memory O(T), not O(T²)), or auto (blockwise once a sequence is longer than attention_block). Results equal to float rounding; docs/long_sequences.md. GLM-5's MLA attends densely by query chunks for now."""  # noqa: E501
+    """How the trainer's forward attends: dense ([B, T, T] scores), blockwise (FlashAttention's online softmax and its own backward: memory O(T), not O(T²)), or auto (blockwise once a sequence is longer than attention_block). Results equal to float rounding; docs/long_sequences.md. GLM-5's MLA goes the same way when it attends every key; DSA's top-k attends its k keys per query."""  # noqa: E501
     attention_block: int = Field(512, gt=0)
     """Queries and keys per block of the blockwise attention."""
     remat: Remat = "auto"

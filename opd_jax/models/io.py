@@ -47,28 +47,31 @@ def load_model(path: str | os.PathLike, dtype: Any = "float32", compute_dtype: A
     """
     path = Path(path)
     param_dtype = _dtype(dtype)
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf(path):
         config, tensors, tokenizer = read_gguf(path)
         check_hf_tensors(config, {k: v.shape for k, v in tensors.items()}, str(path))
         params = params_from_hf(config, tensors.__getitem__, param_dtype)
-    elif path.is_dir():
+    else:
         config = ModelConfig.from_json(path / "config.json")
         params = _read_safetensors(path, config, param_dtype)
         tokenizer = Tokenizer.from_dir(path)
-    elif not path.exists():
-        raise ModelFormatError(f"{path}: no such file or directory")
-    else:
-        raise ModelFormatError(f"{path}: expected a Hugging Face model directory or a .gguf file")
     return build_from_params(Decoder, config, params, compute_dtype=_dtype(compute_dtype)), tokenizer
 
 
 def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, Tokenizer | None]:
     """The architecture and tokenizer of what `load_model` loads from `path`, no weight read."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf(path):
         return read_gguf_config(path)
+    return ModelConfig.from_json(path / "config.json"), Tokenizer.from_dir(path)
+
+
+def _is_gguf(path: Path) -> bool:
+    """Whether `path` is a GGUF file (else a Hugging Face directory); ModelFormatError when neither."""
+    if path.is_file() and path.suffix == ".gguf":
+        return True
     if path.is_dir():
-        return ModelConfig.from_json(path / "config.json"), Tokenizer.from_dir(path)
+        return False
     raise ModelFormatError(f"{path}: " + ("no such file or directory" if not path.exists()
                                           else "expected a Hugging Face model directory or a .gguf file"))
 

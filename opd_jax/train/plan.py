@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,9 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.config import ConfigError, ModelSection, TrainConfig
-from opd_jax.core import RolloutBatch, make_optimizer
-from opd_jax.core.sft import sft_step
-from opd_jax.core.state import PolicyState
+from opd_jax.core import RolloutBatch
 from opd_jax.data import take, train_prompts
 from opd_jax.models import Decoder, ModelConfig, Tokenizer
 from opd_jax.models.char_tokenizer import char_tokenizer
@@ -35,6 +33,7 @@ from opd_jax.parallel import compile_abstract, make_mesh, scoring_jit, step_jit,
 from opd_jax.sampling.choices import choice_shapes
 from opd_jax.train.build import add_configured_adapters, encode_prompt, fresh_model_config
 from opd_jax.train.loop import PPOTask
+from opd_jax.train.sft import SupervisedTask
 
 GIB = 1 << 30
 
@@ -194,15 +193,17 @@ def plan_train(config: TrainConfig, devices: Sequence[jax.Device], tokens: int |
     programs = [Program.of("ppo step", compile_abstract(step_jit(task.step_fn, state, scored, mesh), mesh, state, scored)),
                 Program.of("scoring (θ_old)", compile_abstract(scoring_jit(task.scoring_fn, state, batch, mesh), mesh,
                                                                state, batch))]
-    if config.sft.steps:
-        sft = config.sft
-        sft_state = jax.eval_shape(lambda: PolicyState.create(
-            policy(), make_optimizer(sft.optimizer, compute_dtype=task.trainer_dtype),
-            trains_indexer=sft.indexer is not None))
-        step: Callable = lambda s, b: sft_step(s, b, router_balance_coef=sft.router_balance_coef)  # noqa: E731
-        sft_batch = _abstract_batch(sft.batch_size, tokens, architecture, ())
-        programs.append(Program.of("sft step (warm start)", compile_abstract(step_jit(step, sft_state, sft_batch, mesh),
-                                                                             mesh, sft_state, sft_batch)))
+    if config.sft.steps:  # the warm start's own task: its step and state as it builds them
+        warm = SupervisedTask(config.sft, batches=None, policy=None, tokenizer=None, data=config.data)
+
+        def warm_state():
+            warm.policy = policy()
+            return warm.create_state()
+
+        sft_state = jax.eval_shape(warm_state)
+        sft_batch = _abstract_batch(warm.rows_per_step(config), tokens, architecture, ())
+        programs.append(Program.of("sft step (warm start)", compile_abstract(
+            step_jit(warm.step_fn, sft_state, sft_batch, mesh), mesh, sft_state, sft_batch)))
     weights = _per_device((state.policy, state.critic, state.reference), mesh)
     optimizer = _per_device((state.policy_opt, state.critic_opt), mesh)
     return Plan(devices=len(devices), mesh=dict(zip(mesh.axis_names, mesh.devices.shape)), rows=batch.tokens.shape[0],
