@@ -23,8 +23,10 @@ TINY = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_s
                    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
 
 
-def tiny_models(config=TINY, compute_dtype=None, param_dtype=jnp.float32):
+def tiny_models(config=TINY, compute_dtype=None, param_dtype=jnp.float32, execution=None):
     policy = Decoder(config, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    if execution is not None:  # the critic's backbone copies it
+        policy.set_execution(execution)
     critic = ValueModel.from_policy(policy, head_init="small", key=jax.random.key(1), scale=0.3)
     return policy, critic
 
@@ -38,8 +40,8 @@ TINY_MOE = ModelConfig(family="glm4_moe", vocab_size=64, hidden_size=32, interme
                                      score_correction_bias=True, num_shared_experts=1, dense_layers=(0,)))
 
 
-def make_state(policy_tx, critic_tx, compute_dtype=None, config=TINY, param_dtype=jnp.float32):
-    policy, critic = tiny_models(config, compute_dtype=compute_dtype, param_dtype=param_dtype)
+def make_state(policy_tx, critic_tx, compute_dtype=None, config=TINY, param_dtype=jnp.float32, execution=None):
+    policy, critic = tiny_models(config, compute_dtype=compute_dtype, param_dtype=param_dtype, execution=execution)
     return PPOState.create(policy, critic, policy_tx, critic_tx)
 
 

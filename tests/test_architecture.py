@@ -42,7 +42,8 @@ def test_the_core_imports_no_shell():
 
 
 def test_only_parallel_names_mesh_axes():
-    axis = re.compile(r"""["'](data|fsdp|tensor)["']\s*[,)\]]""")
+    from opd_jax.parallel import MESH_AXES
+    axis = re.compile(r"""["'](""" + "|".join(MESH_AXES) + r""")["']\s*[,)\]]""")
     named = []
     for path in list((ROOT / "opd_jax").rglob("*.py")) + list((ROOT / "rollout_bridge").rglob("*.py")):
         if "parallel" in path.parts:

@@ -168,6 +168,10 @@ def test_glm5s_latent_attention_attends_in_blocks_from_the_o_t_mask_as_its_engin
     np.testing.assert_allclose(trainer[real], engine[real], atol=1e-4, rtol=1e-4)
     dense = np.asarray(logits_with(Execution(attention="dense")))
     np.testing.assert_allclose(trainer[real], dense[real], atol=1e-5, rtol=1e-5)
+    # the tokens split over 8 sequence shards (context parallelism): the same logits
+    from opd_jax.parallel import MeshConfig, make_mesh, under_mesh
+    split = under_mesh(jax.jit(lambda p: logits_with(blockwise, p)), make_mesh(MeshConfig(data=1, sequence=8)))
+    np.testing.assert_allclose(np.asarray(split(nnx.state(model, nnx.Param)))[real], trainer[real], atol=1e-5, rtol=1e-5)
 
     weights = jnp.asarray(rng.normal(size=trainer.shape), jnp.float32) * mask[..., None]
     params = nnx.state(model, nnx.Param)

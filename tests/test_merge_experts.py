@@ -54,7 +54,7 @@ def test_jobs_that_cannot_run_say_why(tmp_path):
     bad = config(tmp_path / "bad", "launch.jobs=2", "expert.mesh.data=3")
     # (the job's own CLI reports its user error in one line, exit status 2)
     with pytest.raises(ExpertsError, match=r"(?s)these jobs failed:\nbase \(exit 2, log .*job.log\):\n"
-                                           r"error: mesh \(data=3, fsdp=1, tensor=1\) needs 3 devices"):
+                                           r"error: mesh \(data=3, fsdp=1, sequence=1, tensor=1\) needs 3 devices"):
         run_experts(bad)
     save_config(bad, tmp_path / "saved.yaml")
     assert load_config(tmp_path / "saved.yaml", schema=ExpertsConfig) == bad

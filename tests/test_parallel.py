@@ -14,11 +14,21 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from ppo_setup import STEP_CONFIG, TINY_MOE, assert_updates_close, make_state, scored_batch, step_optimizer
+from ppo_setup import (
+    STEP_CONFIG,
+    TINY,
+    TINY_MOE,
+    assert_updates_close,
+    make_state,
+    rollout_batch,
+    scored_batch,
+    step_optimizer,
+)
 
 from opd_jax.core import ppo_step
 from opd_jax.core.packing import pack_batch
-from opd_jax.models import ModelConfig
+from opd_jax.models import Decoder, ModelConfig
+from opd_jax.models.execution import Execution
 from opd_jax.parallel import (
     DistributedConfig,
     DistributedError,
@@ -34,6 +44,7 @@ from opd_jax.parallel import (
     shard,
     sharded_step,
     tree_shardings,
+    under_mesh,
 )
 from rollout_bridge.servers import free_port
 
@@ -43,12 +54,13 @@ EXPECTED_AXES = {"embed": ("fsdp",), "vocab": ("tensor",), "heads": ("tensor",),
 
 
 def test_mesh_shapes_from_config():
-    assert MeshConfig().shape(8) == (8, 1, 1)
-    assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == (2, 2, 2)
-    assert MeshConfig(data=-1, fsdp=4).shape(8) == (2, 4, 1)
+    assert MeshConfig().shape(8) == (8, 1, 1, 1)
+    assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == (2, 2, 1, 2)
+    assert MeshConfig(data=-1, fsdp=4).shape(8) == (2, 4, 1, 1)
+    assert MeshConfig(data=1, sequence=-1).shape(8) == (1, 1, 8, 1)
     mesh = make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2} and mesh.devices.size == 8
-    with pytest.raises(MeshError, match=r"mesh \(data=-1, fsdp=3, tensor=1\) does not divide 8 devices"):
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2} and mesh.devices.size == 8
+    with pytest.raises(MeshError, match=r"mesh \(data=-1, fsdp=3, sequence=1, tensor=1\) does not divide 8 devices"):
         MeshConfig(data=-1, fsdp=3).shape(8)
     with pytest.raises(MeshError, match=r"needs 12 devices but 8 are available"):
         make_mesh(MeshConfig(data=2, fsdp=2, tensor=3))
@@ -101,8 +113,8 @@ def check_really_sharded(tree, mesh):
     return split
 
 
-@pytest.mark.parametrize("mesh_shape, packed", [((8, 1, 1), False), ((2, 4, 1), False), ((2, 2, 2), False),
-                                               ((2, 2, 2), True)])
+@pytest.mark.parametrize("mesh_shape, packed", [((8, 1, 1, 1), False), ((2, 4, 1, 1), False), ((2, 2, 1, 2), False),
+                                               ((2, 2, 1, 2), True)])
 def test_sharded_step_equals_unsharded(unsharded, mesh_shape, packed):
     """The sharded step equals the one-device one; packed (in groups of the data shards x two
     mini-batches, rows of twice the length), it equals the one-device step on padded rows."""
@@ -115,7 +127,7 @@ def test_sharded_step_equals_unsharded(unsharded, mesh_shape, packed):
     sharded_batch = shard(batch, batch_shardings(batch, mesh))
     split = check_really_sharded((sharded_state.policy, sharded_state.critic, sharded_state.policy_opt,
                                   sharded_state.critic_opt), mesh)
-    assert split > 0 if mesh_shape != (8, 1, 1) else split == 0  # pure data parallel replicates weights
+    assert split > 0 if mesh_shape != (8, 1, 1, 1) else split == 0  # pure data parallel replicates weights
     rows = sharded_batch.tokens.addressable_shards[0].data.shape[0]
     assert rows == 16 // (mesh_shape[0] * mesh_shape[1])
 
@@ -129,7 +141,7 @@ def test_sharded_step_equals_unsharded(unsharded, mesh_shape, packed):
         np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 1, 2)])
 def test_sharded_moe_step_equals_unsharded(mesh_shape):
     """A MoE model's step with its experts split over the data axis equals the one-device step."""
     state = make_state(step_optimizer(), step_optimizer(), config=TINY_MOE)
@@ -147,6 +159,59 @@ def test_sharded_moe_step_equals_unsharded(mesh_shape):
     assert_updates_close((new.policy, new.critic), (ref.policy, ref.critic), (state.policy, state.critic), rtol=5e-3)
     for name, value in ref_metrics.items():
         np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+# Context parallelism through the long-sequence code paths: attention in blocks of 4 queries and
+# keys, log-probs 5 tokens at a time, rows of 20 tokens (not a multiple of 8 sequence shards)
+CP = Execution(attention="blockwise", attention_block=4, logits_chunk=5)
+
+
+@pytest.mark.parametrize("mesh_shape, packed", [((1, 1, 8, 1), False), ((2, 1, 2, 2), True)])
+def test_context_parallel_ppo_step_equals_one_device(mesh_shape, packed):
+    """Tokens split over the sequence axis (with data and tensor parallelism beside it, packed
+    rows): the PPO step equals the one-device step, and a forward's hidden states are really
+    split along the tokens."""
+    state = make_state(step_optimizer(), step_optimizer(), execution=CP)
+    batch = scored_batch(state, T=20)
+    ref, ref_metrics = jax.jit(functools.partial(ppo_step, config=STEP_CONFIG))(state, batch)
+    mesh = make_mesh(MeshConfig(*mesh_shape))
+    if packed:
+        batch = pack_batch(batch, math.lcm(batch_shards(mesh), STEP_CONFIG.update.minibatches), row_len=40)
+        assert batch.packing[1] < batch.packing[0]
+    step = sharded_step(functools.partial(ppo_step, config=STEP_CONFIG), state, batch, mesh)
+    new, metrics = step(shard(state, tree_shardings(state, mesh)), shard(batch, batch_shardings(batch, mesh)))
+    assert_updates_close((new.policy, new.critic), (ref.policy, ref.critic), (state.policy, state.critic))
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-4, atol=1e-6, err_msg=name)
+
+    policy = nnx.merge(state.policy_def, state.policy)
+    tokens = batch.tokens[:, :16]  # a multiple of the shards: an array split unevenly is not returned split
+    hidden = under_mesh(jax.jit(lambda tokens: policy.backbone.forward(tokens)[0]), mesh)(tokens)
+    assert hidden.sharding.spec[1] == "sequence"
+    assert {s.data.shape[1] for s in hidden.addressable_shards} == {16 // mesh_shape[2]}
+
+
+@pytest.mark.parametrize("loss", ["full", "top_k"])
+def test_context_parallel_opd_step_equals_one_device(loss):
+    """The OPD step (full-vocabulary and top-k reverse KL to two teachers) with the tokens split
+    over 8 sequence shards equals the one-device step."""
+    from test_opd_step import RUN, T_SAMPLE, distill_batch
+
+    from opd_jax.core import OPDConfig, PolicyState, opd_step, score_student
+    student = Decoder(TINY, rngs=nnx.Rngs(0)).set_execution(CP)
+    state = PolicyState.create(student, step_optimizer())
+    batch = score_student(state, rollout_batch(0, B=16, T=20), temperature=T_SAMPLE)
+    batch = batch.replace(logp_infer=batch.logp_old)
+    teachers = [Decoder(TINY, rngs=nnx.Rngs(10 + k)) for k in range(2)]
+    distill = distill_batch(batch, teachers, np.arange(16) % 2, loss, top_k=8)
+    step = functools.partial(opd_step, config=OPDConfig(loss=loss, top_k=8), **RUN)
+    ref, ref_metrics = jax.jit(step)(state, distill)
+    mesh = make_mesh(MeshConfig(data=1, sequence=8))
+    new, metrics = sharded_step(step, state, distill, mesh)(shard(state, tree_shardings(state, mesh)),
+                                                            shard(distill, batch_shardings(distill, mesh)))
+    assert_updates_close(new.params, ref.params, state.params)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(np.asarray(metrics[name]), np.asarray(value), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def _two_processes(tmp_path, jobset: bool) -> Any:
@@ -204,7 +269,7 @@ def test_jobset_place_follows_jobsets_naming():
 def test_rules_cover_every_parameter_name():
     config = ModelConfig(family="qwen2", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=8, qkv_bias=True)
-    from opd_jax.models import Decoder, ValueModel
+    from opd_jax.models import ValueModel
     from opd_jax.parallel import DEFAULT_RULES
     known = {name for name, _ in DEFAULT_RULES}
     for module in (Decoder(config), ValueModel(config), Decoder(TINY_MOE)):
@@ -216,7 +281,7 @@ def test_sharded_scoring_equals_unsharded(unsharded):
     from opd_jax.core import score_batch
     from opd_jax.parallel import sharded_scoring
     state, batch, _, _ = unsharded
-    mesh = make_mesh(MeshConfig(2, 2, 2))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     scored = sharded_scoring(score_batch, state, batch, mesh)(shard(state, tree_shardings(state, mesh)),
                                                               shard(batch, batch_shardings(batch, mesh)))
     assert scored.logp_old.sharding.spec == jax.P(("data", "fsdp"), None)

@@ -30,7 +30,7 @@ def one_device_bytes(tree) -> int:
 def test_the_plan_holds_each_devices_share_of_the_real_state_on_an_fsdp_and_tensor_mesh():
     config = load_config(QUICKSTART, [*SMALL, "mesh.fsdp=2", "mesh.tensor=2"], schema=TrainConfig)
     plan = plan_train(config, jax.devices()[:8], tokens=24)
-    assert plan.mesh == {"data": 2, "fsdp": 2, "tensor": 2} and (plan.rows, plan.tokens) == (8, 24)
+    assert plan.mesh == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2} and (plan.rows, plan.tokens) == (8, 24)
 
     task = PPOTask(config)  # the state as a run builds it, placed as the runner places it
     task.policy = add_configured_adapters(build_model(config.model)[0], config.model, config.seed)
@@ -59,7 +59,7 @@ def test_a_config_over_hbm_prints_its_table_and_one_line_and_exits_1():
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert "| ppo step |" in result.output and "| scoring (θ_old) |" in result.output
-    assert "2 devices (mesh data=2, fsdp=1, tensor=1); a step's batch: 8 rows × 16 tokens" in result.output
+    assert "2 devices (mesh data=2, fsdp=1, sequence=1, tensor=1); a step's batch: 8 rows × 16 tokens" in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not fit: the peak is" in errors[0] and "over 0.001 GiB" in errors[0], errors
     assert "of 0.001 GiB: does not fit" in result.output

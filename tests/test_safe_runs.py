@@ -353,7 +353,7 @@ def test_bad_inputs_are_named_before_anything_is_built(tmp_path):
     long.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "9" * 600,
                                                                                         "answer": "1"}) + "\n")
     cases = [
-        (["mesh.data=3"], ["mesh (data=3, fsdp=2, tensor=2) needs 12 devices but 8 are available"]),
+        (["mesh.data=3"], ["mesh (data=3, fsdp=2, sequence=1, tensor=2) needs 12 devices but 8 are available"]),
         (["model.fresh=null", f"model.path={tmp_path / 'nope'}"], ["model.path:", "does not exist"]),
         (["data.reward_fn=no_such_module:score"], ["data.reward_fn:", "cannot import 'no_such_module'"]),
         ([f"data.train=[{{jsonl: {binary}}}]"], [f"{binary}:2: not UTF-8 text (byte 0xe9 at column 16)"]),

@@ -49,7 +49,9 @@ def chunked_token_logprobs(hidden: jax.Array, head: Callable[[jax.Array], jax.Ar
     pad = n * chunk - (T - 1)
     prev = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(tokens[:, 1:].astype(jnp.int32), ((0, 0), (0, pad)))
-    split = lambda x: jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+    # chunk j holds positions j, j + n, j + 2n, ...: strided, so a sequence split over devices
+    # (context parallelism: contiguous shards) gives every device its share of every chunk
+    split = lambda x: jnp.moveaxis(x.reshape(B, chunk, n, *x.shape[2:]), 2, 0)  # noqa: E731
 
     @jax.checkpoint
     def one(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,7 +63,7 @@ def chunked_token_logprobs(hidden: jax.Array, head: Callable[[jax.Array], jax.Ar
         return picked, lse - jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
 
     logp, entropy = jax.lax.map(lambda args: one(*args), (split(prev), split(targets)))
-    join = lambda x: jnp.pad(jnp.moveaxis(x, 0, 1).reshape(B, n * chunk)[:, :T - 1], ((0, 0), (1, 0)))  # noqa: E731
+    join = lambda x: jnp.pad(jnp.moveaxis(x, 0, 2).reshape(B, n * chunk)[:, :T - 1], ((0, 0), (1, 0)))  # noqa: E731
     return join(logp), join(entropy) if with_entropy else None
 
 

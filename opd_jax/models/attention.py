@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.models.context import over_keys
 from opd_jax.models.masks import AttentionMask, allowed_matrix
 from opd_jax.models.mla import MASKED
 
@@ -55,10 +56,14 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, implementation: Implementation = "auto",
               block: int = 512) -> jax.Array:
     """Attention of q [B, T, n, d] over k [B, S, kv, d], v [B, S, kv, e] where `mask` allows, as `implementation`
-    says (auto: blockwise when T or S exceeds `block`)."""
-    if implementation == "dense" or (implementation == "auto" and max(q.shape[1], k.shape[1]) <= block):
-        return dense_attention(q, k, v, mask.dense())
-    return blockwise_attention(q, k, v, mask, block_q=block, block_k=block)
+    says (auto: blockwise when T or S exceeds `block`). Under context parallelism (a mesh whose
+    "length" axis has several devices) each device attends its share of the queries to every key
+    (`opd_jax.models.context.over_keys`)."""
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask) -> jax.Array:
+        if implementation == "dense" or (implementation == "auto" and max(q.shape[1], k.shape[1]) <= block):
+            return dense_attention(q, k, v, mask.dense())
+        return blockwise_attention(q, k, v, mask, block_q=block, block_k=block)
+    return over_keys(attend, q, k, v, mask)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, block_q: int = 512,

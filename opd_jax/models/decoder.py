@@ -25,6 +25,7 @@ from flax import nnx
 
 from opd_jax.models.attention import AttentionMask, attention, dense_attention
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.context import split_length
 from opd_jax.models.execution import Execution
 from opd_jax.models.lora import Adapting, LoraConfig, add_adapters, base_name, merge_adapters, project
 from opd_jax.models.masks import key_count
@@ -545,6 +546,8 @@ class Backbone(nnx.Module):
         execution = self.execution
         dt = jnp.dtype(self.compute_dtype)
         x = self.embed[...].astype(dt)[tokens]
+        if kv is None:  # a training forward: under context parallelism its tokens are split
+            x = split_length(x)
         inv_freq = jnp.asarray(inverse_frequencies(config))
         params = self.layers.arrays()
         # DSA's indexer weights are stacked over the layers that run it: each such layer reads its own
@@ -572,6 +575,8 @@ class Backbone(nnx.Module):
 
         def body(kind, carry, layer_in):
             x, kv, topk = carry
+            if kv is None:  # the layer scan's carry keeps the split (the partitioner may not)
+                x = split_length(x)
             p, m, f, layer = layer_in
             w = {name: value.astype(dt) for name, value in p.items()}
             adapting = lora.at(layer)
@@ -630,6 +635,8 @@ class Backbone(nnx.Module):
             if info is not None:
                 used.append(info)
             indexed.append(chosen)
+        if kv is None:  # and so do the hidden states the LM head reads
+            x = split_length(x)
         x = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
         index_info = {}
         rows = None if config.dsa is None else jnp.asarray(config.indexer_layers, jnp.int32)

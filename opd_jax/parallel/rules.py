@@ -26,9 +26,12 @@ LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 # MLP width and vocabulary (Megatron); batches split over both data-parallel axes. Expert
 # parallelism puts each data-parallel group's share of a MoE layer's experts on it (GShard,
 # DeepSpeed-MoE: experts over the data axis), so a mesh with data=d holds E/d experts per device
-# along that axis, FSDP and tensor parallelism still splitting each expert's matrices.
+# along that axis, FSDP and tensor parallelism still splitting each expert's matrices. Context
+# parallelism splits a training forward's tokens ("length": the residual stream, each device's
+# queries) over the sequence axis; the attention all-gathers keys and values (models.attention).
 DEFAULT_RULES: LogicalRules = (
     ("batch", ("data", "fsdp")),
+    ("length", "sequence"),
     ("expert", "data"),
     ("expert_scores", None),  # the router's output dimension (small; replicated)
     ("embed", "fsdp"),

@@ -110,7 +110,8 @@ def refusal(plan: Plan, hbm_gib: float, what: str) -> str:
     return (f"{what}: the peak is {size(plan.peak)} per device, over {hbm_gib:g} GiB "
             f"({plan.rows} rows × {plan.tokens} tokens on {plan.devices} devices); try model.remat: full, "
             f"a smaller model.attention_block or model.logits_chunk, algorithm.ppo.update.microbatches, "
-            f"mesh.fsdp or more devices (opd-jax plan CONFIG --devices N --hbm GiB shows each program)")
+            f"mesh.fsdp, mesh.sequence (long rows) or more devices "
+            f"(opd-jax plan CONFIG --devices N --hbm GiB shows each program)")
 
 
 def plan_devices(count: int) -> list[jax.Device]:
