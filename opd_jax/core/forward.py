@@ -78,20 +78,21 @@ def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
                       with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0,
                       with_router: bool = False, replay: bool = False, dropout_key: jax.Array | None = None,
-                      index_replay: bool = False, index_loss: str | None = None) -> tuple[jax.Array, ...]:
+                      index_replay: bool = False, index_loss: str | None = None,
+                      adapter_ids: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature):
 
         logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]
 
     Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense).
-    dropout_key, index_replay: as `sequence_logits`'. index_loss: a DSA model's indexers' KL to
+    dropout_key, index_replay, adapter_ids: as `sequence_logits`'. index_loss: a DSA model's indexers' KL to
     the attention ("dense" or "sparse"; RouterInfo.index_kl; `Backbone.forward`)."""
     model = nnx.merge(graphdef, params)
     (hidden, router), tokens, back = _run(model, batch, unroll, routing=batch.routing,
                                           replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key,
                                           indices=batch.indices, replay_indices=jnp.asarray(index_replay),
-                                          index_loss=index_loss, head=False)
+                                          index_loss=index_loss, head=False, adapter_ids=adapter_ids)
     head = (lambda h: model.logits(h) / temperature) if temperature != 1.0 else model.logits
     # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
     # token (never trained on), and set to 0 as the padded path has it

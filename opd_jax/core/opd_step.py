@@ -38,7 +38,7 @@ from flax import nnx
 from opd_jax.core.advantages import group_advantages
 from opd_jax.core.batch import RolloutBatch
 from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.forward import RoutingReplay, policy_logprobs, sequence_logits, training_key
+from opd_jax.core.forward import RoutingReplay, policy_logprobs, sequence_logits, sequence_logprobs, training_key
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_metrics, mismatch_weights
@@ -166,8 +166,11 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
     adapter adapter_ids[b]: many teachers in one call."""
     def one(rows: tuple[RolloutBatch, jax.Array | None]) -> dict[str, jax.Array]:
         b, ids = rows
-        logits = sequence_logits(graphdef, params, b, temperature=temperature, adapter_ids=ids).astype(jnp.float32)
         m = b.response_mask.astype(jnp.float32)
+        if loss == "sampled":  # the sampled tokens' log-probs alone: the LM head in chunks, no [B, T, V]
+            return {"logp_teacher": sequence_logprobs(graphdef, params, b, temperature=temperature,
+                                                      adapter_ids=ids)[0] * m}
+        logits = sequence_logits(graphdef, params, b, temperature=temperature, adapter_ids=ids).astype(jnp.float32)
         out = {"logp_teacher": token_logprobs(logits, b.tokens)[0] * m}
         if loss != "sampled":
             dist = jax.nn.log_softmax(shift_right(logits), axis=-1) * m[..., None]
@@ -275,10 +278,13 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
 
     def loss_fn(p, t: _OPDTargets):
         rollout = t.batch.rollout
-        logits = sequence_logits(state.graphdef, p, rollout, unroll=config.update.layer_unroll, temperature=temperature,
-                                 replay=config.routing_replay == "r3", dropout_key=training_key(state.step, rollout.tokens),
-                                 index_replay=config.index_replay)
-        logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
+        run = dict(unroll=config.update.layer_unroll, temperature=temperature, replay=config.routing_replay == "r3",
+                   dropout_key=training_key(state.step, rollout.tokens), index_replay=config.index_replay)
+        if config.loss == "sampled":  # the sampled tokens alone: the LM head in chunks, no [B, T, V]
+            logp, entropy = sequence_logprobs(state.graphdef, p, rollout, with_entropy=True, **run)
+        else:  # a divergence over the vocabulary (or the teacher's top k of it) reads every logit
+            logits = sequence_logits(state.graphdef, p, rollout, **run)
+            logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
         loss = jnp.zeros(())
         metrics = {}
         weights = current_policy_weights(t.weights, logp, rollout.logp_infer, t.mask, s.mismatch, t.advantages)
