@@ -2,6 +2,7 @@
 really split by the logical-axis rules, and the sharded step equal to the unsharded one, in one
 process and in two processes on loopback (started explicitly, or from a JobSet pod's environment)."""
 
+import dataclasses
 import functools
 import math
 import os
@@ -166,12 +167,12 @@ def test_sharded_moe_step_equals_unsharded(mesh_shape):
 CP = Execution(attention="blockwise", attention_block=4, logits_chunk=5)
 
 
-@pytest.mark.parametrize("mesh_shape, packed", [((1, 1, 8, 1), False), ((2, 1, 2, 2), True)])
-def test_context_parallel_ppo_step_equals_one_device(mesh_shape, packed):
+@pytest.mark.parametrize("mesh_shape, packed, remat", [((1, 1, 8, 1), False, "full"), ((2, 1, 2, 2), True, "none")])
+def test_context_parallel_ppo_step_equals_one_device(mesh_shape, packed, remat):
     """Tokens split over the sequence axis (with data and tensor parallelism beside it, packed
-    rows): the PPO step equals the one-device step, and a forward's hidden states are really
-    split along the tokens."""
-    state = make_state(step_optimizer(), step_optimizer(), execution=CP)
+    rows; the layers rematerialised, as past 2,048 tokens): the PPO step equals the one-device
+    step, and a forward's hidden states are really split along the tokens."""
+    state = make_state(step_optimizer(), step_optimizer(), execution=dataclasses.replace(CP, remat=remat))
     batch = scored_batch(state, T=20)
     ref, ref_metrics = jax.jit(functools.partial(ppo_step, config=STEP_CONFIG))(state, batch)
     mesh = make_mesh(MeshConfig(*mesh_shape))
