@@ -172,13 +172,12 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
                                                       adapter_ids=ids)[0] * m}
         logits = sequence_logits(graphdef, params, b, temperature=temperature, adapter_ids=ids).astype(jnp.float32)
         out = {"logp_teacher": token_logprobs(logits, b.tokens)[0] * m}
-        if loss != "sampled":
-            dist = jax.nn.log_softmax(shift_right(logits), axis=-1) * m[..., None]
-            if loss == "full":
-                out["teacher_logprobs"] = dist
-            else:
-                values, ids = jax.lax.top_k(dist, top_k)
-                out["teacher_logprobs"], out["teacher_ids"] = values, ids.astype(jnp.int32)
+        dist = jax.nn.log_softmax(shift_right(logits), axis=-1) * m[..., None]
+        if loss == "full":
+            out["teacher_logprobs"] = dist
+        else:
+            values, ids = jax.lax.top_k(dist, top_k)
+            out["teacher_logprobs"], out["teacher_ids"] = values, ids.astype(jnp.int32)
         return out
     return map_rows(one, (batch, adapter_ids), microbatches)
 
