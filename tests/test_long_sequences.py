@@ -3,11 +3,14 @@ dense one, values and gradients, under padding, holes and packed segments; log-p
 chunk through the LM head equal the whole-logits ones; and a PPO step with the blockwise attention,
 chunked log-probs and each rematerialisation policy equals the plain step."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from ppo_setup import STEP_CONFIG, TINY, assert_updates_close, make_state, scored_batch, tiny_models
 
 from opd_jax.core import PPOState, ppo_step
@@ -90,6 +93,34 @@ def test_chunked_log_probs_equal_the_whole_logits_ones_and_so_do_their_gradients
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss, packed", [("full", False), ("top_k", True)], ids=["full", "top_k-packed"])
+def test_an_opd_step_and_its_teachers_scores_in_chunks_equal_the_whole_ones(loss, packed):
+    """Two teachers' scores (the whole vocabulary, or its top 8) and the OPD step's divergences to
+    them (reverse KL, 2 teachers, IcePop), taken 5 positions at a time through the LM head (the
+    student's batch packed into 4 rows for top-k): the same scores, metrics and update as in one
+    piece."""
+    from test_opd_step import RUN, distill_batch, setup
+
+    from opd_jax.core import OPDConfig, PolicyState, opd_step
+
+    state, batch, teachers, index = setup(optax.sgd(0.05))
+    whole = distill_batch(batch, teachers, index, loss)
+    in_chunks = Execution(logits_chunk=5)
+    chunked = distill_batch(batch, [t.set_execution(in_chunks) for t in teachers], index, loss)
+    for name in ("logp_teacher", "teacher_logprobs", "teacher_ids"):
+        if getattr(whole, name) is not None:
+            np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-5, atol=1e-6, err_msg=name)
+    if packed:
+        whole = whole.replace(rollout=pack_batch(whole.rollout, groups=4))
+    step = jax.jit(functools.partial(opd_step, config=OPDConfig(loss=loss, top_k=8), **RUN))
+    plain, m_plain = step(state, whole)
+    student = nnx.merge(state.graphdef, state.params).set_execution(in_chunks)
+    new, m_new = step(PolicyState.create(student, state.tx), whole)
+    for key in m_plain:
+        np.testing.assert_allclose(m_new[key], m_plain[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert_updates_close(new.params, plain.params, state.params, rtol=1e-4)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_a_ppo_step_computed_for_long_sequences_equals_the_plain_one(packed):
     """The same scored batch (ragged responses; padded, or packed into 4 rows), the same PPO step
@@ -139,7 +170,6 @@ def test_glm5s_latent_attention_attends_in_blocks_from_the_o_t_mask_as_its_engin
     gives each the logits it has alone."""
     import dataclasses
 
-    from flax import nnx
     from test_glm5 import GLM5, peaked
 
     from opd_jax.models import Decoder, KVCache

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 
 import chex
 import jax
@@ -35,36 +36,60 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, *, with_entropy: bool =
 def chunked_token_logprobs(hidden: jax.Array, head: Callable[[jax.Array], jax.Array], tokens: jax.Array, *,
                            chunk: int, with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """token_logprobs(head(hidden), tokens), with the head's logits [B, chunk, V] of `chunk`
-    positions at a time the only ones that exist, forward and backward (each chunk is
-    rematerialised: its logits are computed again for the gradient, never stored). hidden
-    [B, T, H] the final hidden states; head maps [B, c, H] to float32 logits [B, c, V]. The same
-    numbers as the unchunked form; without the [B, T, V] tensor, whose size at T = 32k and a
+    positions at a time the only ones that exist, forward and backward (`chunked_positions`).
+    hidden [B, T, H] the final hidden states; head maps [B, c, H] to float32 logits [B, c, V]. The
+    same numbers as the unchunked form; without the [B, T, V] tensor, whose size at T = 32k and a
     152k vocabulary is 18.6 GiB per row in float32."""
+    logp, entropy = chunked_positions(hidden, head, tokens, functools.partial(picked_and_entropy, with_entropy=with_entropy),
+                                      chunk=chunk)
+    return logp, entropy if with_entropy else None
+
+
+def picked_and_entropy(logits: jax.Array, targets: jax.Array, with_entropy: bool = True
+                       ) -> tuple[jax.Array, jax.Array]:
+    """(log softmax(logits)[targets], the entropy of softmax(logits), or zeros without
+    with_entropy): logits [..., V], targets [...] → [...] each, float32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+    if not with_entropy:
+        return picked, jnp.zeros_like(picked)
+    return picked, lse - jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
+
+
+def chunked_positions(hidden: jax.Array, head: Callable[[jax.Array], jax.Array], tokens: jax.Array,
+                      per_position: Callable[..., tuple[jax.Array, ...]], inputs: Sequence[jax.Array] = (), *,
+                      chunk: int) -> tuple[jax.Array, ...]:
+    """per_position(logits, targets, *inputs) at every position t ≥ 1 of tokens [B, T], where
+
+        logits = head(hidden[:, t−1])  (the distribution of token t; float32 [B, c, V])
+        targets = tokens[:, t],  inputs[i][:, t]  (each [B, T, ...])
+
+    evaluated `chunk` positions at a time: the head's logits of one chunk are the only ones that
+    exist, forward and backward (each chunk is rematerialised: its logits are computed again for
+    the gradient, never stored). per_position returns a tuple of [B, c, ...] arrays; they come
+    back as [B, T, ...], zero at t = 0."""
     chex.assert_rank([hidden, tokens], [3, 2])
-    chex.assert_equal_shape_prefix([hidden, tokens], 2)
-    B, T, H = hidden.shape
+    chex.assert_equal_shape_prefix([hidden, tokens, *inputs], 2)
+    B, T, _ = hidden.shape
+    targets = tokens[:, 1:].astype(jnp.int32)
+    later = [x[:, 1:] for x in inputs]
+    front = lambda x: jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     if chunk >= T - 1:
-        return token_logprobs(head(hidden), tokens, with_entropy=with_entropy)
+        return tuple(front(x) for x in per_position(head(hidden[:, :-1]).astype(jnp.float32), targets, *later))
     n = -(-(T - 1) // chunk)
-    pad = n * chunk - (T - 1)
-    prev = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(tokens[:, 1:].astype(jnp.int32), ((0, 0), (0, pad)))
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - (T - 1))] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     # chunk j holds positions j, j + n, j + 2n, ...: strided, so a sequence split over devices
     # (context parallelism: contiguous shards) gives every device its share of every chunk
-    split = lambda x: jnp.moveaxis(x.reshape(B, chunk, n, *x.shape[2:]), 2, 0)  # noqa: E731
+    split = lambda x: jnp.moveaxis(pad(x).reshape(B, chunk, n, *x.shape[2:]), 2, 0)  # noqa: E731
 
     @jax.checkpoint
-    def one(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = head(h).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - lse
-        if not with_entropy:
-            return picked, jnp.zeros_like(picked)
-        return picked, lse - jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
+    def one(h: jax.Array, t: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(per_position(head(h).astype(jnp.float32), t, *xs))
 
-    logp, entropy = jax.lax.map(lambda args: one(*args), (split(prev), split(targets)))
-    join = lambda x: jnp.pad(jnp.moveaxis(x, 0, 2).reshape(B, n * chunk)[:, :T - 1], ((0, 0), (1, 0)))  # noqa: E731
-    return join(logp), join(entropy) if with_entropy else None
+    outs = jax.lax.map(lambda args: one(*args), (split(hidden[:, :-1]), split(targets), *map(split, later)))
+    join = lambda x: front(jnp.moveaxis(x, 0, 2).reshape(B, n * chunk, *x.shape[3:])[:, :T - 1])  # noqa: E731
+    return tuple(join(x) for x in outs)
 
 
 def shift_right(x: jax.Array) -> jax.Array:

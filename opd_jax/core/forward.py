@@ -10,6 +10,7 @@ numbers, up to float rounding, for less compute."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.distributions import chunked_token_logprobs, shift_right
+from opd_jax.core.distributions import chunked_positions, picked_and_entropy, shift_right
 from opd_jax.core.packing import pack_tokens, unpack
 from opd_jax.core.update import map_rows
 from opd_jax.models.moe import RouterInfo
@@ -76,31 +77,51 @@ def sequence_logits(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBat
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
-                      with_entropy: bool = False, unroll: int | bool = 1, temperature: float = 1.0,
-                      with_router: bool = False, replay: bool = False, dropout_key: jax.Array | None = None,
-                      index_replay: bool = False, index_loss: str | None = None,
-                      adapter_ids: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                      with_entropy: bool = False, with_router: bool = False, **run: Any) -> tuple[jax.Array, ...]:
     """Per-token log-probs (and entropies) of batch.tokens under the decoder (graphdef, params),
     of the distribution softmax(logits / temperature):
 
         logp[b, t] = log softmax(logits[b, t−1] / T)[tokens[b, t]]
 
-    Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense).
-    dropout_key, index_replay, adapter_ids: as `sequence_logits`'. index_loss: a DSA model's indexers' KL to
-    the attention ("dense" or "sparse"; RouterInfo.index_kl; `Backbone.forward`)."""
+    Returns (logp, entropy or None), and with with_router the RouterInfo (None for dense). run:
+    `sequence_positions`' keywords (unroll, temperature, replay, dropout_key, index_replay,
+    index_loss, adapter_ids)."""
+    (logp, entropy), router = sequence_positions(graphdef, params, batch,
+                                                 functools.partial(picked_and_entropy, with_entropy=with_entropy),
+                                                 with_router=True, **run)
+    entropy = entropy if with_entropy else None
+    return (logp, entropy, router) if with_router else (logp, entropy)
+
+
+def sequence_positions(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch,
+                       per_position: Callable[..., tuple[jax.Array, ...]], inputs: tuple[jax.Array, ...] = (), *,
+                       unroll: int | bool = 1, temperature: float = 1.0, with_router: bool = False,
+                       replay: bool = False, dropout_key: jax.Array | None = None, index_replay: bool = False,
+                       index_loss: str | None = None, adapter_ids: jax.Array | None = None) -> Any:
+    """per_position(logits, targets, *inputs) at every position t of batch.tokens, where logits
+    / temperature are the decoder's (graphdef, params) for the token after tokens[:t] (float32
+    [B, c, V]: the LM head runs `logits_chunk` positions at a time, `chunked_positions`, and
+    [B, T, V] never exists), targets tokens[:, t] and inputs[i][:, t] (each [B, T, ...], in the
+    batch's layout). Returns its outputs as [B, T, ...] arrays, 0 at t = 0, and with with_router
+    (outputs, RouterInfo or None). dropout_key, index_replay, adapter_ids: as `sequence_logits`'.
+    index_loss: a DSA model's indexers' KL to the attention ("dense" or "sparse";
+    RouterInfo.index_kl; `Backbone.forward`)."""
     model = nnx.merge(graphdef, params)
     (hidden, router), tokens, back = _run(model, batch, unroll, routing=batch.routing,
                                           replay=jnp.asarray(replay), return_routing=True, dropout_key=dropout_key,
                                           indices=batch.indices, replay_indices=jnp.asarray(index_replay),
                                           index_loss=index_loss, head=False, adapter_ids=adapter_ids)
     head = (lambda h: model.logits(h) / temperature) if temperature != 1.0 else model.logits
+    if batch.packing is not None:  # the inputs in the packed rows' layout, as the tokens
+        inputs = pack_tokens(batch.tokens, batch.positions, batch.attention_mask > 0, batch.pack_row,
+                             batch.pack_offset, batch.packing, extra=tuple(inputs), extra_fill=0)[3]
     # packed: a trajectory's first token gets the previous segment's last logits; it is a prompt
     # token (never trained on), and set to 0 as the padded path has it
-    first = jnp.arange(batch.tokens.shape[1])[None, :] == 0
-    chunk = model.backbone.execution.logits_chunk
-    logp, entropy = (None if x is None else jnp.where(first, 0.0, back(x))
-                     for x in chunked_token_logprobs(hidden, head, tokens, chunk=chunk, with_entropy=with_entropy))
-    return (logp, entropy, _with_ids(router, back)) if with_router else (logp, entropy)
+    T = batch.tokens.shape[1]
+    first = lambda x: (jnp.arange(T) == 0).reshape(1, T, *(1,) * (x.ndim - 2))  # noqa: E731
+    outs = tuple(jnp.where(first(x), jnp.zeros((), x.dtype), x) for x in map(back, chunked_positions(
+        hidden, head, tokens, per_position, inputs, chunk=model.backbone.execution.logits_chunk)))
+    return (outs, _with_ids(router, back)) if with_router else outs
 
 
 def sequence_values(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,

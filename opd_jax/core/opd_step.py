@@ -27,6 +27,7 @@ the caller, not knobs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import chex
@@ -37,8 +38,14 @@ from flax import nnx
 
 from opd_jax.core.advantages import group_advantages
 from opd_jax.core.batch import RolloutBatch
-from opd_jax.core.distributions import shift_right, token_logprobs
-from opd_jax.core.forward import RoutingReplay, policy_logprobs, sequence_logits, sequence_logprobs, training_key
+from opd_jax.core.distributions import picked_and_entropy
+from opd_jax.core.forward import (
+    RoutingReplay,
+    policy_logprobs,
+    sequence_logprobs,
+    sequence_positions,
+    training_key,
+)
 from opd_jax.core.losses import SurrogateConfig, aggregate, loss_denominator, policy_loss
 from opd_jax.core.metrics import prefixed
 from opd_jax.core.mismatch import current_policy_weights, mismatch_metrics, mismatch_weights
@@ -164,21 +171,22 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
     π_t = softmax(teacher logits / temperature). Keys are DistillBatch's field names. A teacher
     whose adapters are a bank (`models.lora.bank`: LoRA teachers on one base) scores row b with
     adapter adapter_ids[b]: many teachers in one call."""
+    def at(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+        logp = picked_and_entropy(logits, targets, with_entropy=False)[0]
+        if loss == "sampled":
+            return (logp,)
+        dist = jax.nn.log_softmax(logits, axis=-1)
+        return (logp, dist) if loss == "full" else (logp, *jax.lax.top_k(dist, top_k))
+
     def one(rows: tuple[RolloutBatch, jax.Array | None]) -> dict[str, jax.Array]:
         b, ids = rows
-        m = b.response_mask.astype(jnp.float32)
-        if loss == "sampled":  # the sampled tokens' log-probs alone: the LM head in chunks, no [B, T, V]
-            return {"logp_teacher": sequence_logprobs(graphdef, params, b, temperature=temperature,
-                                                      adapter_ids=ids)[0] * m}
-        logits = sequence_logits(graphdef, params, b, temperature=temperature, adapter_ids=ids).astype(jnp.float32)
-        out = {"logp_teacher": token_logprobs(logits, b.tokens)[0] * m}
-        dist = jax.nn.log_softmax(shift_right(logits), axis=-1) * m[..., None]
-        if loss == "full":
-            out["teacher_logprobs"] = dist
-        else:
-            values, ids = jax.lax.top_k(dist, top_k)
-            out["teacher_logprobs"], out["teacher_ids"] = values, ids.astype(jnp.int32)
-        return out
+        on = b.response_mask > 0
+        # through the LM head in chunks of positions: no [B, T, V] of logits (the full loss's
+        # distributions are [B, T, V] themselves)
+        scores = sequence_positions(graphdef, params, b, at, temperature=temperature, adapter_ids=ids)
+        names = ("logp_teacher", "teacher_logprobs", "teacher_ids")
+        return {name: jnp.where(on.reshape(*on.shape, *(1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+                for name, x in zip(names, scores)}
     return map_rows(one, (batch, adapter_ids), microbatches)
 
 
@@ -252,21 +260,38 @@ def _targets(batch: DistillBatch, config: OPDConfig, group_size: int, num_teache
     return _OPDTargets(batch=batch, mask=m, weights=weights, advantages=advantages), stats
 
 
-def _position_divergence(student_logits: jax.Array, batch: DistillBatch, config: OPDConfig,
-                         divergences: tuple[str, ...]) -> jax.Array:
-    """Each response position's divergence [B, T] to its row's teacher, of the kind given for that
-    teacher (divergences[k] for teacher k)."""
-    if config.loss == "full":
-        log_s, log_t = full_support(student_logits, batch.teacher_logprobs)
+def _position_divergence(student_logits: jax.Array, teacher_logprobs: jax.Array, teacher_ids: jax.Array | None,
+                         which: jax.Array, config: OPDConfig, kinds: tuple[str, ...]) -> jax.Array:
+    """Each position's divergence [B, c] between the student's distribution (its logits [B, c, V]
+    for that position's token) and its row's teacher's (teacher_logprobs [B, c, V], or its top k
+    with teacher_ids [B, c, K]), of the kind kinds[which] ([B, c])."""
+    if teacher_ids is None:
+        log_s, log_t = full_support(student_logits, teacher_logprobs)
     else:
-        log_s, log_t = top_k_support(student_logits, batch.teacher_logprobs, batch.teacher_ids)
-    kinds = tuple(dict.fromkeys(divergences))
+        log_s, log_t = top_k_support(student_logits, teacher_logprobs, teacher_ids)
     per_kind = [divergence(log_s, log_t, kind, jsd_beta=config.jsd_beta, skew_alpha=config.skew_alpha)  # type: ignore[arg-type]
                 for kind in kinds]
     if len(kinds) == 1:
         return per_kind[0]
+    return jnp.take_along_axis(jnp.stack(per_kind), which[None], axis=0)[0]
+
+
+def _distill_positions(batch: DistillBatch, config: OPDConfig, divergences: tuple[str, ...]
+                       ) -> tuple[Callable[..., tuple[jax.Array, ...]], tuple[jax.Array, ...]]:
+    """What `sequence_positions` evaluates at each position for a divergence loss, chunk by chunk
+    through the LM head: (the function: the token's log-prob and entropy and the divergence to the
+    row's teacher; its per-token inputs)."""
+    kinds = tuple(dict.fromkeys(divergences))
     which = jnp.asarray([kinds.index(k) for k in divergences], jnp.int32)[batch.teacher_index]  # [B]
-    return jnp.take_along_axis(jnp.stack(per_kind), which[None, :, None], axis=0)[0]
+    which = jnp.broadcast_to(which[:, None], batch.rollout.tokens.shape)
+    top_k = config.loss == "top_k"
+    inputs = (batch.teacher_logprobs, which, *((batch.teacher_ids,) if top_k else ()))
+
+    def at(logits: jax.Array, targets: jax.Array, teacher: jax.Array, which: jax.Array,
+           ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logp, entropy = picked_and_entropy(logits, targets)
+        return logp, entropy, _position_divergence(logits, teacher, ids, which, config, kinds)
+    return at, inputs
 
 
 def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTargets, config: OPDConfig,
@@ -279,11 +304,13 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
         rollout = t.batch.rollout
         run = dict(unroll=config.update.layer_unroll, temperature=temperature, replay=config.routing_replay == "r3",
                    dropout_key=training_key(state.step, rollout.tokens), index_replay=config.index_replay)
-        if config.loss == "sampled":  # the sampled tokens alone: the LM head in chunks, no [B, T, V]
+        # the LM head in chunks of positions (no [B, T, V]): the sampled tokens' log-probs, and for
+        # a divergence loss each position's divergence to its teacher beside them
+        if config.loss == "sampled":
             logp, entropy = sequence_logprobs(state.graphdef, p, rollout, with_entropy=True, **run)
-        else:  # a divergence over the vocabulary (or the teacher's top k of it) reads every logit
-            logits = sequence_logits(state.graphdef, p, rollout, **run)
-            logp, entropy = token_logprobs(logits, rollout.tokens, with_entropy=True)
+        else:
+            logp, entropy, per_position = sequence_positions(state.graphdef, p, rollout,
+                                                             *_distill_positions(t.batch, config, divergences), **run)
         loss = jnp.zeros(())
         metrics = {}
         weights = current_policy_weights(t.weights, logp, rollout.logp_infer, t.mask, s.mismatch, t.advantages)
@@ -292,7 +319,6 @@ def _update(state: PolicyState, params: nnx.State, opt_state, targets: _OPDTarge
                                         eps_high=s.eps_high, dual_clip=s.dual_clip, weights=weights,
                                         agg=s.loss_agg, normalizer=normalizer, kind=s.kind)
         if config.loss != "sampled":
-            per_position = _position_divergence(shift_right(logits), t.batch, config, divergences)
             if t.batch.row_weights is not None:
                 per_position = per_position * t.batch.row_weights[:, None]
             distill, _, _ = aggregate(weights * per_position, t.mask, s.loss_agg, normalizer)
