@@ -216,7 +216,7 @@ class ModelSection(Section):
     remat: Remat = "auto"
     """What the backward keeps of each layer's forward: everything (none), only the layer's input, the layer run again (full), the weight matmuls' outputs (dots), or those in host memory (offload: accelerators only); auto: full for sequences longer than 2048 tokens, none up to it. Any remat runs the layers as a rolled scan (update.layer_unroll does not apply)."""  # noqa: E501
     logits_chunk: int = Field(2048, gt=0)
-    """Tokens whose logits exist at once when the trainer takes log-probs (the LM head runs chunk by chunk, forward and backward; [B, T, vocab] is never held)."""  # noqa: E501
+    """Tokens whose logits exist at once when the trainer takes log-probs, entropies, OPD's divergences or its teachers' scores (the LM head runs chunk by chunk, forward and backward; [B, T, vocab] is never held)."""  # noqa: E501
 
     def execution(self) -> Execution:
         """How the trainer's forward computes, as these keys say."""

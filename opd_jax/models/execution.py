@@ -27,8 +27,9 @@ step time (measured); above it they dominate (BENCHMARKS.md, "Long sequences")."
 class Execution:
     """attention: dense, blockwise (O(T) memory) or auto (blockwise past one block);
     attention_block: queries and keys per block; remat: the layer scan's rematerialisation;
-    logits_chunk: tokens whose logits exist at once when log-probs are taken (the LM head runs
-    chunk by chunk, forward and backward)."""
+    logits_chunk: tokens whose logits exist at once when log-probs, entropies or OPD's
+    divergences are taken (the LM head runs chunk by chunk, forward and backward;
+    `core.distributions.chunked_positions`)."""
 
     attention: Implementation = "auto"
     attention_block: int = 512
