@@ -172,10 +172,10 @@ def teacher_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatc
     whose adapters are a bank (`models.lora.bank`: LoRA teachers on one base) scores row b with
     adapter adapter_ids[b]: many teachers in one call."""
     def at(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
-        logp = picked_and_entropy(logits, targets, with_entropy=False)[0]
         if loss == "sampled":
-            return (logp,)
-        dist = jax.nn.log_softmax(logits, axis=-1)
+            return (picked_and_entropy(logits, targets, with_entropy=False)[0],)
+        dist = jax.nn.log_softmax(logits, axis=-1)  # the sampled token's log-prob read from it, not normalised again
+        logp = jnp.take_along_axis(dist, targets[..., None], axis=-1)[..., 0]
         return (logp, dist) if loss == "full" else (logp, *jax.lax.top_k(dist, top_k))
 
     def one(rows: tuple[RolloutBatch, jax.Array | None]) -> dict[str, jax.Array]:
